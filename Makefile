@@ -1,0 +1,42 @@
+# oomguard — `make demo` runs the main job, `make test` runs the test suite.
+# Both create .venv when it is missing and install what they need into it.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch is used where no NVIDIA GPU answers nvidia-smi. Override on a
+# machine whose package index lacks it, e.g.
+#   make TORCH_CPU="torch --index-url https://download.pytorch.org/whl/cpu"
+TORCH_CPU ?= torch==2.13.0
+TORCH_GPU ?= torch
+STAMP := $(VENV)/.oomguard-installed
+
+.PHONY: demo test test-fast bench install clean
+
+install: $(STAMP)
+
+# Re-install when pyproject.toml changes; torch is installed only when the venv has none,
+# so a torch the user put there (e.g. a CUDA build) is left alone.
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@if $(BIN)/python -c "import torch" 2>/dev/null; then \
+	    echo "keeping installed torch $$($(BIN)/python -c 'import torch; print(torch.__version__)')"; \
+	elif nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "NVIDIA GPU found: installing $(TORCH_GPU)"; $(BIN)/pip install -q $(TORCH_GPU); \
+	else \
+	    echo "no NVIDIA GPU found: installing the CPU build ($(TORCH_CPU))"; $(BIN)/pip install -q $(TORCH_CPU); \
+	fi
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m oomguard.jobs.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/ladder.py
+
+clean:
+	rm -rf $(VENV) demo-workdir .pytest_cache

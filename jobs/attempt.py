@@ -1,0 +1,77 @@
+"""The files of one attempt directory, shared by the daemon (writer of attempt.json) and the
+runner (writer of the rest). No torch here: the daemon imports it.
+
+    attempt.json    what to run: the job, the plan, the workdir, the emulated memory cap
+    outcome.json    how it ended (strategies.outcome.Outcome)
+    heartbeat.json  the latest step, loss, samples/s and memory, rewritten about once a second
+    metrics.jsonl   one line per optimizer step
+    output.log      the runner's stdout and stderr
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from oomguard.jobs.spec import JobSpec
+from oomguard.strategies.plan import Plan
+
+CONFIG = "attempt.json"
+OUTCOME = "outcome.json"
+HEARTBEAT = "heartbeat.json"
+METRICS = "metrics.jsonl"
+LOG = "output.log"
+
+
+@dataclass(frozen=True)
+class AttemptConfig:
+    job: JobSpec
+    plan: Plan
+    number: int
+    workdir: Path
+    # A CapSchedule's text (e.g. "48MiB" or "64MiB,40MiB@15"), or None for the real device.
+    emulate_device_memory: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job": self.job.to_dict(),
+            "plan": self.plan.to_dict(),
+            "number": self.number,
+            "workdir": str(self.workdir),
+            "emulate_device_memory": self.emulate_device_memory,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AttemptConfig:
+        return cls(
+            job=JobSpec.from_dict(data["job"]),
+            plan=Plan.from_dict(data["plan"]),
+            number=int(data["number"]),
+            workdir=Path(data["workdir"]),
+            emulate_device_memory=data.get("emulate_device_memory"),
+        )
+
+    def write(self, attempt_dir: Path) -> None:
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(attempt_dir / CONFIG, self.to_dict())
+
+    @classmethod
+    def read(cls, attempt_dir: Path) -> AttemptConfig:
+        return cls.from_dict(json.loads((attempt_dir / CONFIG).read_text()))
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Readers (the daemon, `oomguard show`) see the old file or the new one, never half."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(data, indent=2))
+    temporary.replace(path)
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

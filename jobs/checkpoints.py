@@ -1,0 +1,135 @@
+"""Checkpoints that survive a crash at any moment.
+
+``WORKDIR/checkpoints/step-000120/`` holds the training state and a ``manifest.json`` with the
+size and sha256 of every file. A checkpoint is written under a temporary name, fsynced and
+renamed, so a directory named ``step-*`` is always complete; older ones are pruned only after
+the new one verifies. Loading takes the newest checkpoint that verifies and says why it
+skipped any damaged one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+PREFIX = "step-"
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory is missing files or its files do not match its manifest."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int
+    plan: dict[str, Any]
+
+
+def directory_name(step: int) -> str:
+    return f"{PREFIX}{step:06d}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    _fsync_directory(root)
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(checkpoints_dir: Path, step: int, plan: dict[str, Any], write_state: Callable[[Path], None], keep: int) -> Checkpoint:
+    """Write a checkpoint for ``step``: ``write_state(directory)`` fills a fresh directory."""
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    temporary = checkpoints_dir / f".tmp-{directory_name(step)}-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+    write_state(temporary)
+    files = {
+        str(p.relative_to(temporary)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(temporary.rglob("*"))
+        if p.is_file()
+    }
+    manifest = {"step": step, "plan": plan, "created_at": time.time(), "files": files}
+    (temporary / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _fsync_tree(temporary)
+    final = checkpoints_dir / directory_name(step)
+    if final.exists():
+        # Same step written again (e.g. a retry that stopped where the last one did).
+        shutil.rmtree(final)
+    temporary.rename(final)
+    _fsync_directory(checkpoints_dir)
+    checkpoint = verify(final)
+    prune(checkpoints_dir, keep)
+    return checkpoint
+
+
+def verify(path: Path) -> Checkpoint:
+    """The checkpoint at ``path`` if every file matches the manifest; CheckpointError if not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MANIFEST}") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({error})") from None
+    for name, expected in manifest["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path}: {name} is missing")
+        if file.stat().st_size != expected["size"]:
+            raise CheckpointError(f"{path}: {name} has {file.stat().st_size} bytes, the manifest says {expected['size']}")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest")
+    return Checkpoint(path=path, step=int(manifest["step"]), plan=manifest["plan"])
+
+
+def candidates(checkpoints_dir: Path) -> list[Path]:
+    """Checkpoint directories, newest step first."""
+    if not checkpoints_dir.is_dir():
+        return []
+    return sorted((p for p in checkpoints_dir.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
+
+
+def latest_valid(checkpoints_dir: Path, warn: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> Checkpoint | None:
+    """The newest checkpoint that verifies; damaged ones are reported through ``warn`` and skipped."""
+    for path in candidates(checkpoints_dir):
+        try:
+            return verify(path)
+        except CheckpointError as error:
+            warn(f"skipping damaged checkpoint: {error}")
+    return None
+
+
+def prune(checkpoints_dir: Path, keep: int) -> None:
+    """Keep the ``keep`` newest checkpoints; remove leftovers of interrupted writes."""
+    for path in candidates(checkpoints_dir)[keep:]:
+        shutil.rmtree(path)
+    for leftover in checkpoints_dir.glob(".tmp-*"):
+        pid = leftover.name.rsplit("-", 1)[-1]
+        if pid != str(os.getpid()):
+            shutil.rmtree(leftover, ignore_errors=True)

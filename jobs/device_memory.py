@@ -1,0 +1,372 @@
+"""Device memory capacity: emulated on the CPU, or enforced on a real GPU.
+
+The project is tested without a GPU, so training runs for real on the CPU and only the
+*capacity* of device memory is emulated. ``EmulatedDevice`` installs a
+``TorchDispatchMode`` that sees every aten op (forward, backward, optimizer step,
+activation-checkpoint recomputation), counts the bytes of each storage an op allocates,
+releases them when the storage dies (weak references, as PyTorch's MemTracker does), and
+raises ``torch.OutOfMemoryError`` worded like the CUDA caching allocator's when a
+capacity is exceeded, so the code that survives real OOMs is exercised unchanged.
+
+On a machine with CUDA, ``limit_cuda_memory`` makes a big card behave like a small one,
+and the OOMs are PyTorch's own.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import arg_tree_leaves, tree_leaves
+
+from .sizes import format_size
+
+__all__ = [
+    "EmulatedDevice",
+    "OOMInfo",
+    "cuda_oom_message",
+    "limit_cuda_memory",
+]
+
+GroupsFn = Callable[[], Mapping[str, Iterable[torch.Tensor | None]]]
+
+# Name of the breakdown entry for tracked bytes that no group claims.
+ACTIVATIONS = "activations"
+
+
+@dataclass(frozen=True)
+class OOMInfo:
+    """What the emulated allocator knew when it refused an allocation (all bytes)."""
+
+    requested: int
+    allocated: int
+    reserved: int
+    free: int
+    total: int
+    breakdown: dict[str, int]
+    message: str
+
+
+def cuda_oom_message(
+    requested: int, total: int, free: int, allocated: int, reserved: int, device_index: int = 0
+) -> str:
+    """The text of the CUDA caching allocator's OOM error (c10/cuda/CUDACachingAllocator.cpp).
+
+    Reproduces the PyTorch 2.x wording for the case of no memory fraction set ("allowed"
+    part absent), no CUDA-graph private pools, and this process as the only GPU user, so
+    that the NVML process line reads "Including non-PyTorch memory, this process has ...".
+    The double spaces are PyTorch's.
+    """
+    return (
+        f"CUDA out of memory. Tried to allocate {format_size(requested)}. "
+        f"GPU {device_index} has a total capacity of {format_size(total)} "
+        f"of which {format_size(free)} is free. "
+        f"Including non-PyTorch memory, this process has {format_size(reserved)} memory in use. "
+        f"Of the allocated memory {format_size(allocated)} is allocated by PyTorch, "
+        f"and {format_size(reserved - allocated)} is reserved by PyTorch but unallocated."
+        " If reserved but unallocated memory is large try setting"
+        " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid"
+        " fragmentation.  See documentation for Memory Management "
+        " (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+    )
+
+
+# How an op's outputs relate to its inputs, read once per op from its schema.
+_FRESH = 0  # outputs are new tensors (they may still share storage, see _unsafe_view)
+_VIEW = 1  # outputs alias inputs and nothing is written: views, detach, alias
+_MUTATES = 2  # outputs alias inputs that the op writes: in-place, out=, set_, resize_
+
+_OP_KINDS: dict[Any, int] = {}
+
+
+def _op_kind(func: Any) -> int:
+    kind = _OP_KINDS.get(func)
+    if kind is None:
+        schema = getattr(func, "_schema", None)
+        if schema is None or not any(r.alias_info is not None for r in schema.returns):
+            kind = _FRESH
+        elif schema.is_mutable:
+            kind = _MUTATES
+        else:
+            kind = _VIEW
+        _OP_KINDS[func] = kind
+    return kind
+
+
+def _storage(t: Any) -> torch.UntypedStorage | None:
+    """The tensor's storage, or None where there is no device memory behind it."""
+    if not isinstance(t, torch.Tensor) or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse and some wrapper subclasses
+        return None
+
+
+class _CapacityMode(TorchDispatchMode):
+    def __init__(self, device: EmulatedDevice) -> None:
+        super().__init__()
+        self._device = device
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        device = self._device
+        if device._paused:
+            return out
+        kind = _op_kind(func)
+        if kind == _FRESH:
+            device._account_fresh(args, kwargs, out)
+        elif kind == _MUTATES:
+            device._account_resizes(out)
+        return out
+
+
+class EmulatedDevice:
+    """Counts the live bytes of tensor storages made under it and enforces ``capacity``.
+
+    Use as a context manager around training. A storage is counted once, when an op
+    first returns it without having received it as an input, and released when the
+    storage itself dies (not when one of several tensors viewing it dies). Storages not
+    made by an op under the mode are invisible until passed to :meth:`track`: tensors
+    that exist before entering (parameters), tensors from ``torch.load`` (the unpickler
+    makes the storages and ``set_`` attaches them) and tensors from Python data
+    (``torch.tensor``, ``as_tensor``, ``from_numpy`` only show up as ``lift_fresh``,
+    which returns its input). Backward ops are seen (autograd carries the mode along);
+    ops that other threads start themselves are not (modes are thread-local).
+
+    ``capacity`` (bytes, or None for unlimited) may be changed at any time; a capacity
+    below the live bytes makes the next allocating op fail, like another process taking
+    memory would. ``groups`` names consumers for the OOM breakdown, e.g.
+    ``lambda: {"params": model.parameters(), "grads": [p.grad for p in ...]}``.
+    """
+
+    def __init__(
+        self,
+        capacity: int | None,
+        device_index: int = 0,
+        groups: GroupsFn | None = None,
+    ) -> None:
+        self.capacity = capacity
+        self.device_index = device_index
+        self.groups = groups
+        self.last_oom: OOMInfo | None = None
+        # id(storage) -> (weak reference to the storage, bytes counted for it). PyTorch
+        # keeps one Python object per live storage (all tensors viewing it return the
+        # same one), so the id is stable while it lives and the weak reference dies
+        # exactly when the storage is freed.
+        self._tracked: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self._live = 0
+        self._peak = 0
+        self._oom_count = 0
+        self._paused = 0
+        self._mode: _CapacityMode | None = None
+
+    # -- public API -----------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int | None:
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int | None) -> None:
+        if value is not None:
+            value = operator.index(value)  # a byte count: int-like, never a float
+            if value <= 0:
+                raise ValueError(f"capacity must be positive bytes or None, got {value}")
+        self._capacity = value
+
+    @property
+    def live_bytes(self) -> int:
+        return self._live
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    @property
+    def oom_count(self) -> int:
+        return self._oom_count
+
+    def reset_peak(self) -> None:
+        self._peak = self._live
+
+    def track(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        """Count storages that exist already; returns the bytes newly counted.
+
+        Never raises for capacity: the runner calls this while setting up (model,
+        optimizer state, a loaded checkpoint), and an OOM is only meaningful for an op
+        that asks for memory; an over-full device fails on the next allocating op.
+        Storages counted already, and ``None`` entries (e.g. missing grads), are skipped.
+        """
+        added = 0
+        for t in tensors:
+            st = _storage(t)
+            if st is None or id(st) in self._tracked:
+                continue
+            nbytes = st.nbytes()
+            self._add(st, nbytes)
+            added += nbytes
+        return added
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops inside are not counted (host-side work: data loading, serialization).
+
+        Storages counted earlier are still released when they die.
+        """
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def __enter__(self) -> EmulatedDevice:
+        if self._mode is not None:
+            raise RuntimeError("this EmulatedDevice is already active")
+        self._mode = _CapacityMode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc_info)
+
+    # -- accounting (called by the mode after every op) --------------------------------
+
+    def _add(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        key = id(st)
+        self._tracked[key] = (weakref.ref(st, partial(self._release, key)), nbytes)
+        # A single augmented assignment: a weakref callback (which runs on any decref
+        # of a storage) cannot interleave and lose its decrement.
+        self._live += nbytes
+        if self._live > self._peak:
+            self._peak = self._live
+
+    def _release(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+        entry = self._tracked.get(key)
+        if entry is not None and entry[0] is ref:
+            del self._tracked[key]
+            self._live -= entry[1]
+
+    def _account_fresh(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        outputs = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
+        new: dict[int, torch.UntypedStorage] = {}
+        for t in outputs:
+            st = _storage(t)
+            if st is not None and id(st) not in self._tracked:
+                new[id(st)] = st
+        if not new:
+            return
+        # Some ops without alias annotations still return an input's storage
+        # (_unsafe_view, or an op handing back an untracked input unchanged).
+        for t in arg_tree_leaves(*args, **kwargs):
+            st = _storage(t)
+            if st is not None:
+                new.pop(id(st), None)
+        if not new:
+            return
+        sizes = [(st, st.nbytes()) for st in new.values()]
+        requested = sum(nbytes for _, nbytes in sizes)
+        capacity = self._capacity
+        if requested and capacity is not None and self._live + requested > capacity:
+            self._refuse(requested, capacity)
+        for st, nbytes in sizes:
+            self._add(st, nbytes)
+
+    def _account_resizes(self, out: Any) -> None:
+        # In-place and out= ops can grow a storage they were handed (resize_ on an
+        # out= tensor); count the growth of storages we already track.
+        outputs = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
+        for t in outputs:
+            st = _storage(t)
+            if st is None:
+                continue
+            entry = self._tracked.get(id(st))
+            if entry is None:
+                continue
+            nbytes = st.nbytes()
+            growth = nbytes - entry[1]
+            if growth == 0:
+                continue
+            capacity = self._capacity
+            if growth > 0 and capacity is not None and self._live + growth > capacity:
+                self._refuse(growth, capacity)
+            self._tracked[id(st)] = (entry[0], nbytes)
+            self._live += growth
+            if self._live > self._peak:
+                self._peak = self._live
+
+    def _refuse(self, requested: int, capacity: int) -> None:
+        allocated = self._live
+        reserved = allocated  # no caching allocator is emulated
+        free = max(capacity - reserved, 0)
+        message = cuda_oom_message(
+            requested=requested,
+            total=capacity,
+            free=free,
+            allocated=allocated,
+            reserved=reserved,
+            device_index=self.device_index,
+        )
+        self._oom_count += 1
+        self.last_oom = OOMInfo(
+            requested=requested,
+            allocated=allocated,
+            reserved=reserved,
+            free=free,
+            total=capacity,
+            breakdown=self._breakdown(),
+            message=message,
+        )
+        raise torch.OutOfMemoryError(message)
+
+    def _breakdown(self) -> dict[str, int]:
+        """Tracked bytes per group; a storage counts for the first group naming it."""
+        tracked = dict(self._tracked)  # weakref callbacks may fire while we look
+        claimed: set[int] = set()
+        breakdown: dict[str, int] = {}
+        groups = self.groups() if self.groups is not None else {}
+        for name, tensors in groups.items():
+            total = 0
+            for t in tensors:
+                st = _storage(t)
+                if st is None:
+                    continue
+                key = id(st)
+                entry = tracked.get(key)
+                if entry is None or key in claimed:
+                    continue
+                claimed.add(key)
+                total += entry[1]
+            breakdown[name] = breakdown.get(name, 0) + total
+        rest = sum(nbytes for key, (_, nbytes) in tracked.items() if key not in claimed)
+        breakdown[ACTIVATIONS] = breakdown.get(ACTIVATIONS, 0) + rest
+        return breakdown
+
+
+def limit_cuda_memory(capacity: int, device_index: int = 0) -> None:
+    """Make CUDA device ``device_index`` refuse allocations beyond ``capacity`` bytes.
+
+    Uses the caching allocator's per-process memory fraction, so a big card behaves like
+    a small one and the OOMs (and their messages, with an "allowed" part) are PyTorch's.
+    """
+    if capacity <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("limit_cuda_memory needs a CUDA device; use EmulatedDevice without one")
+    total = torch.cuda.get_device_properties(device_index).total_memory
+    if capacity > total:
+        raise ValueError(
+            f"cannot limit GPU {device_index} to {format_size(capacity)}: "
+            f"it has only {format_size(total)}"
+        )
+    torch.cuda.set_per_process_memory_fraction(capacity / total, device_index)

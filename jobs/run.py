@@ -1,0 +1,73 @@
+"""The runner: ``python -m oomguard.jobs.run ATTEMPT_DIR``.
+
+Reads ``attempt.json``, resumes from the newest valid checkpoint, trains, and always ends by
+writing ``outcome.json`` and exiting with one of the codes in strategies/outcome.py:
+
+    0  finished          3  out of device memory     75  stopped by SIGTERM after a checkpoint
+    1  crashed           4  loss diverged (NaN/inf)   2  bad arguments or attempt directory
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from oomguard.jobs.attempt import OUTCOME, AttemptConfig, write_json_atomic
+from oomguard.strategies.outcome import (
+    EXIT_CRASHED,
+    EXIT_DIVERGED,
+    EXIT_FINISHED,
+    EXIT_INTERRUPTED,
+    EXIT_OOM,
+    EXIT_USAGE,
+    Outcome,
+)
+
+EXIT_CODE_BY_KIND = {
+    "finished": EXIT_FINISHED,
+    "oom": EXIT_OOM,
+    "diverged": EXIT_DIVERGED,
+    "interrupted": EXIT_INTERRUPTED,
+    "crashed": EXIT_CRASHED,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m oomguard.jobs.run ATTEMPT_DIR", file=sys.stderr)
+        return EXIT_USAGE
+    attempt_dir = Path(args[0])
+    try:
+        config = AttemptConfig.read(attempt_dir)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"cannot read {attempt_dir / 'attempt.json'}: {error}", file=sys.stderr)
+        return EXIT_USAGE
+
+    # Imported after the cheap checks: torch takes seconds to import.
+    from oomguard.jobs.loop import Control, train
+
+    control = Control()
+
+    def request_stop(signum: int, frame: object) -> None:
+        control.stop_requested = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
+    try:
+        outcome = train(config, attempt_dir, control)
+    except Exception as error:  # noqa: BLE001 - every failure must end in an outcome.json
+        tail = "".join(traceback.format_exception(error))[-4000:]
+        print(tail, file=sys.stderr, flush=True)
+        outcome = Outcome(kind="crashed", phase=control.phase, message=f"{type(error).__name__}: {error}", traceback_tail=tail)
+    code = EXIT_CODE_BY_KIND[outcome.kind]
+    write_json_atomic(attempt_dir / OUTCOME, {**outcome.to_dict(), "exit_code": code})
+    if outcome.kind == "oom":
+        print(f"out of memory in {outcome.phase} at step {outcome.step}", flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,885 @@
+"""Job files: TOML in, a validated frozen :class:`JobSpec` out.
+
+A job file names a trainer, its data, the UNet2DModel keyword arguments, the training
+settings and the rungs of the memory ladder the job may use::
+
+    name = "quickstart"
+    trainer = "unconditional"
+    [data]
+    source = "synthetic:64"
+    resolution = 32
+    [model]
+    block_out_channels = [32, 64]
+    ...
+    [train]
+    batch_size = 16
+    max_steps = 40
+    learning_rate = 1e-4
+    [ladder]
+    allow = ["allocator", "micro_batch", "checkpointing"]
+
+Every problem is reported as a :class:`JobFileError` whose ``str()`` is one line,
+``{path}: {key}: {problem}``, naming the dotted key (``train.batch_size``) and what was
+expected and found. Checks run in a fixed order and the first problem found is reported.
+
+This module must stay cheap to import (the daemon and CLI import it): no torch, no diffusers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+from oomguard.jobs.trainers import TRAINER_NAMES
+from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
+from oomguard.strategies.plan import MixedPrecision, Plan
+
+__all__ = [
+    "ACT_FNS",
+    "DOWN_BLOCK_TYPES",
+    "IMAGE_EXTENSIONS",
+    "MIXED_PRECISIONS",
+    "MODEL_KEYS",
+    "NAME_PATTERN",
+    "SYNTHETIC_PREFIX",
+    "TIME_EMBEDDING_TYPES",
+    "UP_BLOCK_TYPES",
+    "DataSpec",
+    "JobFileError",
+    "JobSpec",
+    "LadderSpec",
+    "ModelSpec",
+    "TrainSpec",
+    "load_job_file",
+    "parse_job_text",
+]
+
+IMAGE_EXTENSIONS: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+SYNTHETIC_PREFIX = "synthetic:"
+MIXED_PRECISIONS: tuple[str, ...] = ("no", "bf16", "fp16")
+DOWN_BLOCK_TYPES: tuple[str, ...] = (
+    "DownBlock2D",
+    "AttnDownBlock2D",
+    "ResnetDownsampleBlock2D",
+    "SkipDownBlock2D",
+    "AttnSkipDownBlock2D",
+)
+UP_BLOCK_TYPES: tuple[str, ...] = (
+    "UpBlock2D",
+    "AttnUpBlock2D",
+    "ResnetUpsampleBlock2D",
+    "SkipUpBlock2D",
+    "AttnSkipUpBlock2D",
+)
+ACT_FNS: tuple[str, ...] = ("silu", "swish", "mish", "gelu", "relu")
+TIME_EMBEDDING_TYPES: tuple[str, ...] = ("positional", "fourier")
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# UNet2DModel's own default; used only to check that it divides every block width.
+DEFAULT_NORM_NUM_GROUPS = 32
+
+# The accepted UNet2DModel keyword arguments, in the order they are checked and stored.
+MODEL_KEYS: tuple[str, ...] = (
+    "in_channels",
+    "out_channels",
+    "block_out_channels",
+    "layers_per_block",
+    "down_block_types",
+    "up_block_types",
+    "norm_num_groups",
+    "attention_head_dim",
+    "dropout",
+    "act_fn",
+    "time_embedding_type",
+    "center_input_sample",
+    "flip_sin_to_cos",
+    "freq_shift",
+    "downsample_padding",
+    "mid_block_scale_factor",
+    "norm_eps",
+)
+_MODEL_DEFAULTS: dict[str, Any] = {"in_channels": 3, "out_channels": 3}
+_MODEL_REQUIRED = ("block_out_channels", "down_block_types", "up_block_types")
+
+_TOP_KEYS = ("name", "trainer", "priority", "workdir", "data", "model", "train", "ladder")
+_TOP_TABLES = ("data", "model", "train", "ladder")
+_DATA_KEYS = ("source", "resolution", "random_flip")
+_TRAIN_KEYS = (
+    "batch_size",
+    "max_steps",
+    "learning_rate",
+    "seed",
+    "mixed_precision",
+    "checkpoint_every_steps",
+    "checkpoint_every_seconds",
+    "keep_checkpoints",
+    "lr_warmup_steps",
+    "num_train_timesteps",
+    "weight_decay",
+    "micro_batch",
+)
+_LADDER_KEYS = ("allow", "max_attempts", "crash_retries")
+_SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
+    None: _TOP_KEYS,
+    "data": _DATA_KEYS,
+    "model": MODEL_KEYS,
+    "train": _TRAIN_KEYS,
+    "ladder": _LADDER_KEYS,
+}
+# Keys people reach for that have a better home.
+_SPECIAL_HINTS: dict[str, str] = {
+    "sample_size": "the trainer sets it from data.resolution",
+}
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+class JobFileError(ValueError):
+    """A job file that cannot be used; ``str()`` is one line: ``{path}: {key}: {problem}``.
+
+    ``key`` is the dotted key of the offending value (``"train.batch_size"``), or None when
+    the problem concerns the whole file (unreadable, empty, not TOML).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], key: str | None, problem: str) -> None:
+        path = os.fspath(path)
+        super().__init__(path, key, problem)
+        self.path = path
+        self.key = key
+        self.problem = problem
+
+    def __str__(self) -> str:
+        if self.key:
+            return f"{self.path}: {self.key}: {self.problem}"
+        return f"{self.path}: {self.problem}"
+
+
+# ----------------------------------------------------------------------------- spec types
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Where the images come from: ``synthetic:N`` or an absolute path to an image folder."""
+
+    source: str
+    resolution: int
+    random_flip: bool = False
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.source.startswith(SYNTHETIC_PREFIX)
+
+    @property
+    def synthetic_count(self) -> int | None:
+        """N of ``synthetic:N``; None for an image folder."""
+        return int(self.source[len(SYNTHETIC_PREFIX):]) if self.is_synthetic else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"source": self.source, "resolution": self.resolution, "random_flip": self.random_flip}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DataSpec:
+        """Validates like a job file's ``[data]``, without looking at the file system."""
+        ctx = _Ctx("<dict>", Path.cwd(), check_files=False)
+        return _parse_data(ctx, _Section(ctx, "data", _strip_none(data)))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """UNet2DModel keyword arguments, read-only: ``items`` is a tuple of (key, value) pairs
+    in :data:`MODEL_KEYS` order with lists stored as tuples; :meth:`kwargs` gives a fresh
+    dict with lists. ``in_channels``/``out_channels`` default to 3.
+
+    ``ModelSpec({"block_out_channels": [32, 64], ...})`` also works: a mapping is converted
+    (but not validated; :meth:`from_dict` validates).
+    """
+
+    items: tuple[tuple[str, Any], ...]
+
+    def __post_init__(self) -> None:
+        pairs = dict(self.items.items() if isinstance(self.items, Mapping) else self.items)
+        for k, v in _MODEL_DEFAULTS.items():
+            pairs.setdefault(k, v)
+        # Canonical order (MODEL_KEYS, then anything else as given) so equal kwargs compare equal.
+        order = {k: i for i, k in enumerate(MODEL_KEYS)}
+        keys = sorted(pairs, key=lambda k: order.get(k, len(order)))
+        frozen = tuple((str(k), tuple(pairs[k]) if isinstance(pairs[k], list) else pairs[k]) for k in keys)
+        object.__setattr__(self, "items", frozen)
+
+    def kwargs(self) -> dict[str, Any]:
+        """A fresh ``UNet2DModel(**kwargs)`` dict (tuples turned back into lists)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.items}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for k, v in self.items:
+            if k == key:
+                return v
+        return default
+
+    def __getitem__(self, key: str) -> Any:
+        for k, v in self.items:
+            if k == key:
+                return v
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return any(k == key for k, _ in self.items)
+
+    @property
+    def block_out_channels(self) -> tuple[int, ...]:
+        return tuple(self.get("block_out_channels", ()))
+
+    @property
+    def down_block_types(self) -> tuple[str, ...]:
+        return tuple(self.get("down_block_types", ()))
+
+    @property
+    def up_block_types(self) -> tuple[str, ...]:
+        return tuple(self.get("up_block_types", ()))
+
+    @property
+    def downsample_factor(self) -> int:
+        """How much the UNet shrinks its input: 2 ** (number of blocks - 1)."""
+        return 2 ** max(len(self.block_out_channels) - 1, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.kwargs()
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
+        """Validates like a job file's ``[model]`` (without the check against data.resolution)."""
+        ctx = _Ctx("<dict>", Path.cwd(), check_files=False)
+        return _parse_model(ctx, _Section(ctx, "model", _strip_none(data)), resolution=None)
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Training settings. ``batch_size`` is the effective batch the ladder must keep."""
+
+    batch_size: int
+    max_steps: int
+    learning_rate: float
+    seed: int = 0
+    mixed_precision: MixedPrecision = "no"
+    # None means the default, max(1, max_steps // 10), filled in on construction.
+    checkpoint_every_steps: int = None  # type: ignore[assignment]
+    checkpoint_every_seconds: float | None = None
+    keep_checkpoints: int = 2
+    lr_warmup_steps: int = 0
+    num_train_timesteps: int = 1000
+    weight_decay: float = 0.0
+    micro_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every_steps is None:
+            object.__setattr__(self, "checkpoint_every_steps", max(1, self.max_steps // 10))
+        object.__setattr__(self, "learning_rate", float(self.learning_rate))
+        object.__setattr__(self, "weight_decay", float(self.weight_decay))
+        if self.checkpoint_every_seconds is not None:
+            object.__setattr__(self, "checkpoint_every_seconds", float(self.checkpoint_every_seconds))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainSpec:
+        ctx = _Ctx("<dict>", Path.cwd(), check_files=False)
+        return _parse_train(ctx, _Section(ctx, "train", _strip_none(data)))
+
+
+@dataclass(frozen=True)
+class LadderSpec:
+    """Which rungs a job may climb, and how many attempts it gets."""
+
+    allow: tuple[str, ...] = EXACT_RUNG_NAMES
+    max_attempts: int = 12
+    crash_retries: int = 2
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allow", tuple(self.allow))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"allow": list(self.allow), "max_attempts": self.max_attempts, "crash_retries": self.crash_retries}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LadderSpec:
+        ctx = _Ctx("<dict>", Path.cwd(), check_files=False)
+        return _parse_ladder(ctx, _Section(ctx, "ladder", _strip_none(data)))
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One validated job file. ``source_path`` is where it was read from (not a TOML key)."""
+
+    name: str
+    trainer: str
+    data: DataSpec
+    model: ModelSpec
+    train: TrainSpec
+    ladder: LadderSpec = field(default_factory=LadderSpec)
+    priority: int = 0
+    workdir: str | None = None
+    source_path: str | None = None
+
+    def initial_plan(self) -> Plan:
+        """The plan the first attempt runs with: the whole batch at once unless
+        ``train.micro_batch`` says otherwise."""
+        return Plan.initial(self.train.batch_size, self.train.mixed_precision, self.train.micro_batch)
+
+    def replace(self, **changes: Any) -> JobSpec:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict shaped like the job file (plus ``source_path``)."""
+        return {
+            "name": self.name,
+            "trainer": self.trainer,
+            "priority": self.priority,
+            "workdir": self.workdir,
+            "data": self.data.to_dict(),
+            "model": self.model.to_dict(),
+            "train": self.train.to_dict(),
+            "ladder": self.ladder.to_dict(),
+            "source_path": self.source_path,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
+        """Inverse of :meth:`to_dict` (``from_dict(s.to_dict()) == s``, also through JSON).
+
+        Validates like a job file but does not look at the file system, so a job whose image
+        folder has since gone still loads. Raises :class:`JobFileError` on bad input.
+        """
+        if not isinstance(data, Mapping):
+            raise JobFileError("<dict>", None, f"expected a mapping, found {_describe(data)}")
+        raw = dict(data)
+        source_path = raw.pop("source_path", None)
+        if source_path is not None and not isinstance(source_path, str):
+            raise JobFileError("<dict>", "source_path", f"expected a string, found {_describe(source_path)}")
+        base_dir = Path(source_path).parent if source_path else Path.cwd()
+        ctx = _Ctx(source_path or "<dict>", base_dir, check_files=False)
+        return _parse_job(ctx, _strip_none(raw), source_path)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return cls.from_dict(json.loads(text))
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def load_job_file(path: str | os.PathLike[str]) -> JobSpec:
+    """Read and validate a job file. Relative paths inside it are resolved against its folder.
+
+    Raises :class:`JobFileError` for every problem, including unreadable files.
+    """
+    display = os.fspath(path)
+    p = Path(path)
+    if p.is_dir():
+        raise JobFileError(display, None, "is a directory, not a job file")
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raise JobFileError(display, None, "job file not found") from None
+    except PermissionError:
+        raise JobFileError(display, None, "cannot read job file: permission denied") from None
+    except OSError as e:
+        raise JobFileError(display, None, f"cannot read job file: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        problem = f"not valid UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); save the job file as UTF-8"
+        raise JobFileError(display, None, problem) from None
+    absolute = p.expanduser().resolve()
+    ctx = _Ctx(display, absolute.parent, check_files=True)
+    return _parse_text(ctx, text, str(absolute))
+
+
+def parse_job_text(
+    text: str,
+    path: str | os.PathLike[str],
+    base_dir: str | os.PathLike[str] | None = None,
+) -> JobSpec:
+    """Validate job-file text. ``path`` names the file in messages (and becomes
+    ``source_path``); relative paths are resolved against ``base_dir``, by default the
+    folder of ``path``."""
+    display = os.fspath(path)
+    base = Path(base_dir) if base_dir is not None else Path(display).parent
+    ctx = _Ctx(display, base.expanduser().absolute(), check_files=True)
+    return _parse_text(ctx, text, display)
+
+
+# ----------------------------------------------------------------------------- internals
+
+
+class _Ctx:
+    def __init__(self, path: str, base_dir: Path, check_files: bool) -> None:
+        self.path = path
+        self.base_dir = base_dir
+        self.check_files = check_files
+
+    def fail(self, key: str | None, problem: str) -> JobFileError:
+        return JobFileError(self.path, key, problem)
+
+
+_MISSING: Any = object()
+
+
+def _strip_none(data: Any) -> Any:
+    """Drop None values (to_dict's 'absent') from a mapping and its sub-mappings."""
+    if not isinstance(data, Mapping):
+        return data
+    return {k: _strip_none(v) for k, v in data.items() if v is not None}
+
+
+def _render(value: Any, limit: int = 60) -> str:
+    """A value as it would be written in TOML, shortened."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, float):
+        text = "nan" if math.isnan(value) else ("inf" if value == math.inf else "-inf" if value == -math.inf else repr(value))
+    elif isinstance(value, int):
+        text = str(value)
+    elif isinstance(value, str):
+        text = json.dumps(value, ensure_ascii=False)
+    elif isinstance(value, (list, tuple)):
+        text = "[" + ", ".join(_render(v, limit) for v in value) + "]"
+    elif isinstance(value, Mapping):
+        text = "a table"
+    elif hasattr(value, "isoformat"):
+        text = value.isoformat()
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe(value: Any) -> str:
+    """A value of the wrong type: its TOML type, then the value."""
+    if isinstance(value, bool):
+        return f"a boolean ({_render(value)})"
+    if isinstance(value, int):
+        return f"an integer ({_render(value)})"
+    if isinstance(value, float):
+        return f"a float ({_render(value)})"
+    if isinstance(value, str):
+        return f"a string ({_render(value)})"
+    if isinstance(value, (list, tuple)):
+        return f"a list ({_render(value)})"
+    if isinstance(value, Mapping):
+        return "a table"
+    if hasattr(value, "isoformat"):
+        return f"a date/time ({_render(value)})"
+    return f"a {type(value).__name__} ({_render(value)})"
+
+
+def _one_of(choices: Sequence[str]) -> str:
+    return ", ".join(f'"{c}"' for c in choices)
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    lowered = {c.lower(): c for c in choices}
+    if word.lower() in lowered:
+        return f"; did you mean '{lowered[word.lower()]}'?"
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Section:
+    """One table of the job file, read key by key with typed getters."""
+
+    def __init__(self, ctx: _Ctx, name: str | None, raw: Any) -> None:
+        self.ctx = ctx
+        self.name = name
+        if not isinstance(raw, Mapping):
+            raise ctx.fail(name, f"expected a table ([{name}]), found {_describe(raw)}")
+        self.raw = raw
+        self._check_unknown(_SECTION_KEYS[name])
+
+    def _check_unknown(self, allowed: tuple[str, ...]) -> None:
+        for key in self.raw:
+            if key in allowed:
+                continue
+            hint = self._hint(str(key), allowed)
+            listed = ", ".join(sorted(allowed))
+            raise self.ctx.fail(self.key(str(key)), f"unknown key (expected one of: {listed}){hint}")
+
+    def _hint(self, key: str, allowed: tuple[str, ...]) -> str:
+        if key in _SPECIAL_HINTS and self.name == "model":
+            return f"; {_SPECIAL_HINTS[key]}"
+        close = _did_you_mean(key, allowed)
+        if close:
+            return close
+        for other, keys in _SECTION_KEYS.items():
+            if other != self.name and key in keys:
+                if other is None:
+                    return f"; '{key}' is a top-level key: put it above the first [table] header"
+                return f"; '{key}' belongs in [{other}]"
+        return ""
+
+    def key(self, k: str) -> str:
+        return f"{self.name}.{k}" if self.name else k
+
+    def fail(self, k: str, problem: str) -> JobFileError:
+        return self.ctx.fail(self.key(k), problem)
+
+    def get(self, k: str, default: Any) -> Any:
+        if k in self.raw:
+            return self.raw[k]
+        if default is _MISSING:
+            raise self.fail(k, "required key is missing")
+        return default
+
+    def has(self, k: str) -> bool:
+        return k in self.raw
+
+    def int(self, k: str, *, minimum: int | None = None, maximum: int | None = None, default: Any = _MISSING) -> Any:
+        value = self.get(k, default)
+        if value is default and not self.has(k):
+            return value
+        if minimum is not None and maximum is not None:
+            want = f"an integer in {minimum}..{maximum}"
+        elif minimum is not None:
+            want = f"an integer >= {minimum}"
+        else:
+            want = "an integer"
+        if not _is_int(value):
+            raise self.fail(k, f"expected {want}, found {_describe(value)}")
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            raise self.fail(k, f"expected {want}, found {_render(value)}")
+        return value
+
+    def number(
+        self,
+        k: str,
+        *,
+        gt: float | None = None,
+        ge: float | None = None,
+        lt: float | None = None,
+        default: Any = _MISSING,
+    ) -> Any:
+        value = self.get(k, default)
+        if value is default and not self.has(k):
+            return value
+        if ge is not None and lt is not None:
+            want = f"a number in [{ge:g}, {lt:g})"
+        elif gt is not None:
+            want = f"a number > {gt:g}"
+        elif ge is not None:
+            want = f"a number >= {ge:g}"
+        else:
+            want = "a number"
+        if not _is_number(value):
+            raise self.fail(k, f"expected {want}, found {_describe(value)}")
+        ok = math.isfinite(value)
+        ok = ok and (gt is None or value > gt) and (ge is None or value >= ge) and (lt is None or value < lt)
+        if not ok:
+            raise self.fail(k, f"expected {want}, found {_render(value)}")
+        return float(value)
+
+    def bool(self, k: str, default: Any = _MISSING) -> Any:
+        value = self.get(k, default)
+        if value is default and not self.has(k):
+            return value
+        if not isinstance(value, bool):
+            raise self.fail(k, f"expected true or false, found {_describe(value)}")
+        return value
+
+    def str(self, k: str, default: Any = _MISSING) -> Any:
+        value = self.get(k, default)
+        if value is default and not self.has(k):
+            return value
+        if not isinstance(value, str):
+            raise self.fail(k, f"expected a string, found {_describe(value)}")
+        if not value:
+            raise self.fail(k, 'expected a non-empty string, found ""')
+        return value
+
+    def choice(self, k: str, choices: Sequence[str], default: Any = _MISSING) -> Any:
+        value = self.get(k, default)
+        if value is default and not self.has(k):
+            return value
+        if not isinstance(value, str):
+            raise self.fail(k, f"expected one of {_one_of(choices)}, found {_describe(value)}")
+        if value not in choices:
+            hint = _did_you_mean(value, choices)
+            raise self.fail(k, f"expected one of {_one_of(choices)}, found {_render(value)}{hint}")
+        return value
+
+    def names(self, k: str, choices: Sequence[str], what: str, default: Any = _MISSING) -> Any:
+        """A list of unique names from ``choices``, e.g. ladder.allow."""
+        value = self.get(k, default)
+        if value is default and not self.has(k):
+            return value
+        want = f"a list of {what} names"
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.fail(k, f"expected {want}, found {_describe(value)}")
+        seen: set[str] = set()
+        for v in value:
+            if v not in choices:
+                hint = _did_you_mean(v, choices)
+                raise self.fail(k, f"unknown {what} '{v}' (expected one of: {', '.join(choices)}){hint}")
+            if v in seen:
+                raise self.fail(k, f"{what} '{v}' is listed twice")
+            seen.add(v)
+        return tuple(value)
+
+    def table(self, k: str, *, required: bool) -> _Section | None:
+        if k not in self.raw:
+            if required:
+                raise self.fail(k, f"required table [{self.key(k)}] is missing")
+            return None
+        return _Section(self.ctx, self.key(k), self.raw[k])
+
+
+def _parse_text(ctx: _Ctx, text: str, source_path: str | None) -> JobSpec:
+    if not isinstance(text, str):
+        raise ctx.fail(None, f"expected job file text, found {type(text).__name__}")
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if not text.strip():
+        raise ctx.fail(None, "empty job file (expected at least name, trainer, [data], [model] and [train])")
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ctx.fail(None, f"not valid TOML: {e}") from None
+    if not raw:
+        raise ctx.fail(None, "empty job file (expected at least name, trainer, [data], [model] and [train])")
+    return _parse_job(ctx, raw, source_path)
+
+
+def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> JobSpec:
+    top = _Section(ctx, None, raw)
+    name = top.str("name")
+    if not NAME_PATTERN.fullmatch(name):
+        raise top.fail(
+            "name",
+            f"expected 1-64 characters of [A-Za-z0-9._-] starting with a letter or digit, found {_render(name)}",
+        )
+    trainer = top.str("trainer")
+    if trainer not in TRAINER_NAMES:
+        hint = _did_you_mean(trainer, TRAINER_NAMES)
+        raise top.fail("trainer", f"unknown trainer '{trainer}' (expected one of: {', '.join(TRAINER_NAMES)}){hint}")
+    priority = top.int("priority", default=0)
+    workdir = top.str("workdir", default=None)
+    if workdir is not None:
+        workdir = str(_resolve(ctx, workdir))
+    data_section = top.table("data", required=True)
+    assert data_section is not None
+    data = _parse_data(ctx, data_section)
+    model_section = top.table("model", required=True)
+    assert model_section is not None
+    model = _parse_model(ctx, model_section, resolution=data.resolution)
+    train_section = top.table("train", required=True)
+    assert train_section is not None
+    train = _parse_train(ctx, train_section)
+    ladder_section = top.table("ladder", required=False)
+    ladder = _parse_ladder(ctx, ladder_section) if ladder_section is not None else LadderSpec()
+    return JobSpec(
+        name=name,
+        trainer=trainer,
+        data=data,
+        model=model,
+        train=train,
+        ladder=ladder,
+        priority=priority,
+        workdir=workdir,
+        source_path=source_path,
+    )
+
+
+def _resolve(ctx: _Ctx, text: str) -> Path:
+    p = Path(text).expanduser()
+    if not p.is_absolute():
+        p = ctx.base_dir / p
+    return p.resolve()
+
+
+def _has_image(folder: Path) -> bool:
+    for _root, _dirs, files in os.walk(folder):
+        if any(os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS for f in files):
+            return True
+    return False
+
+
+def _parse_data(ctx: _Ctx, s: _Section) -> DataSpec:
+    source = s.str("source")
+    if source.startswith(SYNTHETIC_PREFIX):
+        count = source[len(SYNTHETIC_PREFIX):]
+        if not (count.isascii() and count.isdigit()) or int(count) < 1:
+            raise s.fail("source", f"synthetic:N needs an integer N >= 1, found {_render(source)}")
+        source = f"{SYNTHETIC_PREFIX}{int(count)}"
+    else:
+        folder = _resolve(ctx, source)
+        if ctx.check_files:
+            where = "(expected an image folder or synthetic:N)"
+            if not folder.exists():
+                raise s.fail("source", f"folder {folder} does not exist {where}")
+            if not folder.is_dir():
+                raise s.fail("source", f"{folder} is not a folder {where}")
+            if not _has_image(folder):
+                exts = ", ".join(IMAGE_EXTENSIONS)
+                raise s.fail("source", f"no image files ({exts}) in folder {folder}")
+        source = str(folder)
+    resolution = s.int("resolution", minimum=8)
+    random_flip = s.bool("random_flip", default=False)
+    return DataSpec(source=source, resolution=resolution, random_flip=random_flip)
+
+
+def _int_list(s: _Section, k: str) -> tuple[int, ...]:
+    value = s.get(k, _MISSING)
+    want = "a non-empty list of integers >= 1"
+    if not isinstance(value, list):
+        raise s.fail(k, f"expected {want}, found {_describe(value)}")
+    if not value or not all(_is_int(v) and v >= 1 for v in value):
+        raise s.fail(k, f"expected {want}, found {_render(value)}")
+    return tuple(value)
+
+
+def _block_types(s: _Section, k: str, choices: tuple[str, ...], what: str) -> tuple[str, ...]:
+    value = s.get(k, _MISSING)
+    want = f"a list of {what} block type names"
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        shown = _describe(value) if not isinstance(value, list) else _render(value)
+        raise s.fail(k, f"expected {want}, found {shown}")
+    for v in value:
+        if v not in choices:
+            hint = _did_you_mean(v, choices)
+            raise s.fail(k, f"unknown {what} block type '{v}' (expected one of: {', '.join(choices)}){hint}")
+    return tuple(value)
+
+
+def _parse_model(ctx: _Ctx, s: _Section, resolution: int | None) -> ModelSpec:
+    kw: dict[str, Any] = {}
+    for k in MODEL_KEYS:
+        if not s.has(k):
+            if k in _MODEL_REQUIRED:
+                raise s.fail(k, "required key is missing")
+            if k in _MODEL_DEFAULTS:
+                kw[k] = _MODEL_DEFAULTS[k]
+            continue
+        if k in ("in_channels", "out_channels", "layers_per_block", "norm_num_groups", "attention_head_dim"):
+            kw[k] = s.int(k, minimum=1)
+        elif k == "block_out_channels":
+            kw[k] = _int_list(s, k)
+        elif k == "down_block_types":
+            kw[k] = _block_types(s, k, DOWN_BLOCK_TYPES, "down")
+        elif k == "up_block_types":
+            kw[k] = _block_types(s, k, UP_BLOCK_TYPES, "up")
+        elif k == "dropout":
+            kw[k] = s.number(k, ge=0.0, lt=1.0)
+        elif k == "act_fn":
+            kw[k] = s.choice(k, ACT_FNS)
+        elif k == "time_embedding_type":
+            kw[k] = s.choice(k, TIME_EMBEDDING_TYPES)
+        elif k in ("center_input_sample", "flip_sin_to_cos"):
+            kw[k] = s.bool(k)
+        elif k == "freq_shift":
+            kw[k] = s.int(k)
+        elif k == "downsample_padding":
+            kw[k] = s.int(k, minimum=0)
+        elif k in ("mid_block_scale_factor", "norm_eps"):
+            kw[k] = s.number(k, gt=0.0)
+        else:  # pragma: no cover - MODEL_KEYS and this chain must agree
+            raise AssertionError(k)
+
+    channels: tuple[int, ...] = kw["block_out_channels"]
+    for k in ("down_block_types", "up_block_types"):
+        if len(kw[k]) != len(channels):
+            raise s.fail(
+                k,
+                f"has {len(kw[k])} entries but block_out_channels has {len(channels)}"
+                " (one block type per block_out_channels entry)",
+            )
+    groups = kw.get("norm_num_groups", DEFAULT_NORM_NUM_GROUPS)
+    for c in channels:
+        if c % groups:
+            if "norm_num_groups" in kw:
+                raise s.fail(
+                    "norm_num_groups",
+                    f"{groups} does not divide block_out_channels entry {c}"
+                    " (GroupNorm needs every entry divisible by norm_num_groups)",
+                )
+            raise s.fail(
+                "block_out_channels",
+                f"entry {c} is not divisible by norm_num_groups {groups} (the default);"
+                " set norm_num_groups to a divisor of every entry",
+            )
+    if resolution is not None:
+        factor = 2 ** (len(channels) - 1)
+        if resolution % factor:
+            raise ctx.fail(
+                "data.resolution",
+                f"{resolution} is not divisible by {factor}"
+                f" (the model halves it {len(channels) - 1} time(s): 2**(len(block_out_channels) - 1) = {factor})",
+            )
+    return ModelSpec(tuple(kw.items()))
+
+
+def _parse_train(ctx: _Ctx, s: _Section) -> TrainSpec:
+    batch_size = s.int("batch_size", minimum=1)
+    max_steps = s.int("max_steps", minimum=1)
+    learning_rate = s.number("learning_rate", gt=0.0)
+    seed = s.int("seed", minimum=0, default=0)
+    mixed_precision = s.choice("mixed_precision", MIXED_PRECISIONS, default="no")
+    checkpoint_every_steps = s.int("checkpoint_every_steps", minimum=1, default=max(1, max_steps // 10))
+    checkpoint_every_seconds = s.number("checkpoint_every_seconds", gt=0.0, default=None)
+    keep_checkpoints = s.int("keep_checkpoints", minimum=1, default=2)
+    lr_warmup_steps = s.int("lr_warmup_steps", minimum=0, default=0)
+    if lr_warmup_steps >= max_steps:
+        raise s.fail(
+            "lr_warmup_steps", f"must be less than train.max_steps ({max_steps}), found {lr_warmup_steps}"
+        )
+    num_train_timesteps = s.int("num_train_timesteps", minimum=1, default=1000)
+    weight_decay = s.number("weight_decay", ge=0.0, default=0.0)
+    micro_batch = s.int("micro_batch", minimum=1, default=None)
+    if micro_batch is not None and micro_batch > batch_size:
+        raise s.fail(
+            "micro_batch", f"expected an integer in 1..{batch_size} (at most train.batch_size), found {micro_batch}"
+        )
+    return TrainSpec(
+        batch_size=batch_size,
+        max_steps=max_steps,
+        learning_rate=learning_rate,
+        seed=seed,
+        mixed_precision=mixed_precision,
+        checkpoint_every_steps=checkpoint_every_steps,
+        checkpoint_every_seconds=checkpoint_every_seconds,
+        keep_checkpoints=keep_checkpoints,
+        lr_warmup_steps=lr_warmup_steps,
+        num_train_timesteps=num_train_timesteps,
+        weight_decay=weight_decay,
+        micro_batch=micro_batch,
+    )
+
+
+def _parse_ladder(ctx: _Ctx, s: _Section) -> LadderSpec:
+    allow = s.names("allow", RUNG_NAMES, "rung", default=EXACT_RUNG_NAMES)
+    max_attempts = s.int("max_attempts", minimum=1, default=12)
+    crash_retries = s.int("crash_retries", minimum=0, default=2)
+    return LadderSpec(allow=tuple(allow), max_attempts=max_attempts, crash_retries=crash_retries)

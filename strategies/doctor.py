@@ -1,0 +1,174 @@
+"""The doctor: from what an attempt ended with and the job's history, the next thing to do.
+
+Diagnose first (what ran out), then act: fragmentation -> the allocator rung; otherwise the
+cheapest allowed rung that gives a plan which has not already run out of memory. Every answer
+carries a reason in words, recorded as an event and shown to people.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from oomguard.strategies import ladder
+from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
+from oomguard.strategies.outcome import MemoryFigures, Outcome
+from oomguard.strategies.plan import Plan
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the job allows: which rungs, and how many tries."""
+
+    allow: tuple[str, ...] = EXACT_RUNG_NAMES
+    max_attempts: int = 12
+    crash_retries: int = 2
+
+
+@dataclass(frozen=True)
+class PastAttempt:
+    plan: Plan
+    outcome: Outcome
+
+
+@dataclass(frozen=True)
+class NextPlan:
+    """Take a rung: run the next attempt under ``plan``."""
+
+    plan: Plan
+    rung: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Run the same plan again (a crash that may be transient, or an interruption)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Stop: a person has to act. ``report`` says what was tried and what could be done."""
+
+    reason: str
+    report: str
+
+
+Decision = NextPlan | Retry | GiveUp
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def is_fragmentation(memory: MemoryFigures | None) -> bool:
+    """Reserved-but-unallocated memory at least as large as the failed request: the memory is
+    there but in pieces, which expandable segments fix."""
+    if memory is None or memory.requested is None:
+        return False
+    unallocated = memory.reserved_unallocated
+    return unallocated is not None and unallocated > 0 and unallocated >= memory.requested
+
+
+def describe_oom(outcome: Outcome) -> str:
+    where = f"in {outcome.phase}" if outcome.phase else ""
+    text = f"out of memory {where} at step {outcome.step}".replace("  ", " ")
+    memory = outcome.memory
+    if memory is not None:
+        text += (
+            f": tried to allocate {format_bytes(memory.requested)} with {format_bytes(memory.allocated)}"
+            f" of {format_bytes(memory.total)} in use"
+        )
+        consumer = memory.dominant_consumer()
+        if consumer:
+            text += f"; {consumer} dominate ({format_bytes(memory.breakdown[consumer])})"
+    return text
+
+
+def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
+    """The next step after ``outcome`` of an attempt under ``plan``.
+
+    ``history`` holds the job's earlier attempts, this one included.
+    """
+    if len(history) >= policy.max_attempts:
+        return GiveUp(
+            reason=f"{len(history)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}",
+            report=report(history, policy),
+        )
+    if outcome.kind == "interrupted":
+        return Retry(reason="the attempt was interrupted; it continues from its checkpoint")
+    if outcome.kind in ("crashed", "host_oom"):
+        return _after_crash(outcome, plan, history, policy)
+    if outcome.kind == "diverged":
+        return GiveUp(reason=f"the loss diverged at step {outcome.step}: {outcome.message}", report=report(history, policy))
+    if outcome.kind == "oom":
+        return _after_oom(outcome, plan, history, policy)
+    raise ValueError(f"no decision to make after an attempt that ended {outcome.kind!r}")
+
+
+def _after_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
+    # Count the crashes of this plan since its last good sign (an OOM or an interruption
+    # means the crash streak of an earlier plan does not carry over).
+    streak = 0
+    for past in reversed(history):
+        if past.plan != plan or past.outcome.kind not in ("crashed", "host_oom"):
+            break
+        streak += 1
+    retries_used = streak - 1
+    if retries_used < policy.crash_retries:
+        return Retry(
+            reason=f"the attempt {outcome.kind} ({outcome.message.strip() or 'no message'}); "
+            f"retry {retries_used + 1} of {policy.crash_retries} with the same plan"
+        )
+    return GiveUp(
+        reason=f"the attempt {outcome.kind} {streak} times in a row with the same plan: {outcome.message.strip()}",
+        report=report(history, policy),
+    )
+
+
+def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
+    # A plan that ran out of memory is never run again.
+    failed = {past.plan for past in history if past.outcome.kind == "oom"} | {plan}
+    diagnosis = describe_oom(outcome)
+    candidates: list[str] = []
+    if is_fragmentation(outcome.memory):
+        candidates.append("allocator")
+        diagnosis += (
+            f"; {format_bytes(outcome.memory.reserved_unallocated)} reserved but unallocated"  # type: ignore[union-attr]
+            " is at least the request: fragmentation"
+        )
+    candidates += [r.name for r in ladder.ORDER if r.name != "allocator"]
+    for name in candidates:
+        if name not in policy.allow:
+            continue
+        rung = ladder.IMPLEMENTED[name]
+        new_plan = rung.step(plan)
+        while new_plan is not None and new_plan in failed:
+            new_plan = rung.step(new_plan)
+        if new_plan is not None:
+            return NextPlan(plan=new_plan, rung=name, reason=f"{diagnosis} -> {rung.describe(plan, new_plan)}")
+    return GiveUp(reason=f"{diagnosis}; no allowed rung is left", report=report(history, policy))
+
+
+def report(history: Sequence[PastAttempt], policy: Policy) -> str:
+    """What was tried, in order, and what the job could still allow."""
+    lines = ["Attempts:"]
+    for number, past in enumerate(history, start=1):
+        o = past.outcome
+        line = f"  {number}. [{past.plan.short()}] {o.kind} at step {o.step}"
+        if o.kind == "oom":
+            line += f" ({describe_oom(o)})"
+        elif o.message:
+            line += f" ({o.message.strip().splitlines()[-1]})"
+        lines.append(line)
+    not_allowed = [name for name in RUNG_NAMES if name not in policy.allow]
+    if not_allowed:
+        lines.append("Rungs this job does not allow: " + ", ".join(not_allowed) + ".")
+        lines.append('To allow more, extend the job file, e.g.: [ladder] allow = [' + ", ".join(f'"{n}"' for n in (*policy.allow, *not_allowed[:1])) + "]")
+    missing = [name for name in policy.allow if ladder.rung(name) is None]
+    if missing:
+        lines.append("Allowed but not available in this version of oomguard: " + ", ".join(missing) + ".")
+    return "\n".join(lines)

@@ -1,0 +1,82 @@
+"""What an attempt ended with. The runner writes it as outcome.json; the doctor reads it."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted"]
+Phase = Literal["setup", "data", "forward", "backward", "optimizer", "checkpoint"]
+
+# The runner's exit codes. They are documented in the README; the daemon trusts outcome.json
+# first and falls back to these when the runner died before writing it.
+EXIT_FINISHED = 0
+EXIT_CRASHED = 1
+EXIT_USAGE = 2
+EXIT_OOM = 3
+EXIT_DIVERGED = 4
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint; run it again
+
+KIND_BY_EXIT_CODE: dict[int, OutcomeKind] = {
+    EXIT_FINISHED: "finished",
+    EXIT_OOM: "oom",
+    EXIT_DIVERGED: "diverged",
+    EXIT_INTERRUPTED: "interrupted",
+}
+
+
+@dataclass(frozen=True)
+class MemoryFigures:
+    """Device memory at the moment of an OOM, in bytes (None where unknown)."""
+
+    requested: int | None = None
+    allocated: int | None = None
+    reserved: int | None = None
+    free: int | None = None
+    total: int | None = None
+    # Bytes per consumer (parameters, gradients, optimizer_state, activations) when known.
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def reserved_unallocated(self) -> int | None:
+        if self.reserved is None or self.allocated is None:
+            return None
+        return self.reserved - self.allocated
+
+    def dominant_consumer(self) -> str | None:
+        if not self.breakdown:
+            return None
+        return max(self.breakdown, key=lambda name: self.breakdown[name])
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: OutcomeKind
+    # Optimizer steps completed (and kept in the newest checkpoint or final model) when it ended.
+    step: int = 0
+    phase: Phase | None = None
+    memory: MemoryFigures | None = None
+    message: str = ""
+    traceback_tail: str = ""
+    exit_code: int | None = None
+    # Step of the checkpoint the attempt resumed from (None: it started from scratch).
+    resumed_from: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Outcome:
+        memory = data.get("memory")
+        return cls(**{**data, "memory": MemoryFigures(**memory) if memory else None})
+
+    @classmethod
+    def from_exit_status(cls, returncode: int) -> Outcome:
+        """For a runner that ended without writing outcome.json (killed, or died hard)."""
+        if returncode < 0:
+            name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
+            return cls(kind="crashed", message=f"the runner was killed by {name} before it could report", exit_code=returncode)
+        kind = KIND_BY_EXIT_CODE.get(returncode, "crashed")
+        return cls(kind=kind, message=f"the runner exited with code {returncode} without writing outcome.json", exit_code=returncode)

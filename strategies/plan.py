@@ -1,0 +1,102 @@
+"""The Plan: every memory knob of one attempt, as one frozen value.
+
+Rungs are pure functions Plan -> Plan; the runner configures model, optimizer and process
+from a Plan and nothing else, so two attempts with equal Plans train identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Attention = Literal["default", "sliced"]
+Offload = Literal["none", "optimizer", "params"]
+MixedPrecision = Literal["no", "bf16", "fp16"]
+Optimizer = Literal["adamw", "adamw8bit"]
+BaseQuantization = Literal["int8", "nf4"]
+
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one attempt spends device memory.
+
+    ``micro_batch`` is the largest slice of the per-rank batch that runs through forward and
+    backward at once; ``grad_accum`` is the number of slices, so the last slice may be smaller
+    (uneven splits are exact because each slice's loss is weighted by its share of samples).
+    """
+
+    batch_size: int
+    micro_batch: int
+    world_size: int = 1
+    allocator: str = ""
+    gradient_checkpointing: bool = False
+    attention: Attention = "default"
+    offload: Offload = "none"
+    mixed_precision: MixedPrecision = "no"
+    optimizer: Optimizer = "adamw"
+    lora_rank: int | None = None
+    base_quantization: BaseQuantization | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.world_size < 1:
+            raise ValueError(f"batch_size and world_size must be >= 1: {self}")
+        if self.batch_size % self.world_size:
+            raise ValueError(f"batch_size {self.batch_size} is not divisible by world_size {self.world_size}")
+        if not 1 <= self.micro_batch <= self.per_rank_batch:
+            raise ValueError(f"micro_batch {self.micro_batch} must be in 1..{self.per_rank_batch}")
+
+    @classmethod
+    def initial(cls, batch_size: int, mixed_precision: MixedPrecision = "no", micro_batch: int | None = None) -> Plan:
+        """The plan a job starts with: the whole batch at once, nothing saved."""
+        return cls(batch_size=batch_size, micro_batch=micro_batch or batch_size, mixed_precision=mixed_precision)
+
+    @property
+    def per_rank_batch(self) -> int:
+        return self.batch_size // self.world_size
+
+    @property
+    def grad_accum(self) -> int:
+        return math.ceil(self.per_rank_batch / self.micro_batch)
+
+    def micro_batch_sizes(self) -> list[int]:
+        """The slice sizes of one rank's batch, e.g. batch 10, micro 4 -> [4, 4, 2]."""
+        full, rest = divmod(self.per_rank_batch, self.micro_batch)
+        return [self.micro_batch] * full + ([rest] if rest else [])
+
+    def replace(self, **changes: Any) -> Plan:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["grad_accum"] = self.grad_accum
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+    def short(self) -> str:
+        """One line for tables and logs, naming only what differs from the defaults."""
+        parts = [f"mb={self.micro_batch}x{self.grad_accum}"]
+        if self.allocator:
+            parts.append("expandable")
+        if self.gradient_checkpointing:
+            parts.append("ckpt")
+        if self.attention != "default":
+            parts.append(f"attn={self.attention}")
+        if self.offload != "none":
+            parts.append(f"offload={self.offload}")
+        if self.mixed_precision != "no":
+            parts.append(self.mixed_precision)
+        if self.optimizer != "adamw":
+            parts.append(self.optimizer)
+        if self.lora_rank is not None:
+            parts.append(f"lora={self.lora_rank}")
+        if self.base_quantization is not None:
+            parts.append(f"base={self.base_quantization}")
+        return " ".join(parts)
