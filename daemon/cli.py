@@ -1,0 +1,356 @@
+"""The `oomguard` command line. It never imports torch: every command starts in well under a
+second, and only the runner processes it starts load the training stack.
+
+Exit codes: 0 success; 1 the job failed or was cancelled (`run`), or the request was refused;
+2 bad usage or invalid input (a bad job file or size); 3 no such job; 4 the state directory is
+held by another daemon; 130 interrupted (Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import pwd
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from oomguard.daemon.paths import StateDir, default_state_dir
+from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
+from oomguard.jobs.attempt import HEARTBEAT, LOG, read_json
+from oomguard.jobs.sizes import CapSchedule
+from oomguard.jobs.spec import JobFileError, load_job_file
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
+EXIT_LOCKED = 4
+EXIT_INTERRUPTED = 130
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed without a traceback."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def current_user() -> str:
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def print_event(job: dict[str, Any], kind: str, message: str) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    print(f"[{stamp}] job {job['id']} {job['name']}: {kind}: {message}", flush=True)
+
+
+def cap_schedule(text: str | None) -> str | None:
+    """Validate an --emulate-device-memory value; returns its canonical text."""
+    if text is None:
+        return None
+    try:
+        return str(CapSchedule.parse(text))
+    except ValueError as error:
+        raise CliError(f"--emulate-device-memory: {error}") from None
+
+
+def open_store(state_dir: Path) -> tuple[StateDir, Store]:
+    state = StateDir(state_dir).create()
+    return state, Store(state.database)
+
+
+def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:
+    attempts = store.attempts(job_id)
+    return read_json(Path(attempts[-1]["directory"]) / HEARTBEAT) if attempts else None
+
+
+def job_record(store: Store, job: dict[str, Any]) -> dict[str, Any]:
+    """A job with its attempts and events, as `show --json` and `run --json` print it."""
+    record = {**job, "spec": json.loads(job["spec"]), "plan": json.loads(job["plan"])}
+    record["cancel_requested"] = bool(job["cancel_requested"])
+    record["attempts"] = [
+        {
+            **attempt,
+            "plan": json.loads(attempt["plan"]),
+            "outcome": json.loads(attempt["outcome"]) if attempt["outcome"] else None,
+        }
+        for attempt in store.attempts(job["id"])
+    ]
+    record["events"] = store.events(job["id"])
+    record["heartbeat"] = latest_heartbeat(store, job["id"])
+    return record
+
+
+# Commands ---------------------------------------------------------------------------------
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from oomguard.daemon.spool import spool_text, write_to_inbox
+
+    path = Path(args.file)
+    try:
+        spec = load_job_file(path)
+    except JobFileError as error:
+        raise CliError(f"rejected: {error}") from None
+    state, store = open_store(args.state_dir)
+    spooled = write_to_inbox(state.inbox, path, spool_text(path))
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        job = store.job_by_spool_file(spooled.name)
+        if job is not None:
+            print(f"job {job['id']} ({spec.name}) queued")
+            return EXIT_OK
+        time.sleep(0.1)
+    print(f"{spec.name} is in the spool ({spooled}); the daemon queues it when it runs (`oomguard daemon`)")
+    return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    _, store = open_store(args.state_dir)
+    table = Table(title=f"oomguard jobs ({args.state_dir})")
+    for column in ("job", "name", "owner", "state", "plan", "step", "samples/s", "attempts", "note"):
+        table.add_column(column)
+    for job in store.jobs():
+        heartbeat = latest_heartbeat(store, job["id"]) or {}
+        spec = json.loads(job["spec"])
+        plan = json.loads(job["plan"])
+        step = f"{heartbeat.get('step', 0)}/{spec['train']['max_steps']}"
+        speed = f"{heartbeat['samples_per_s']:.1f}" if job["state"] == "running" and heartbeat.get("samples_per_s") else ""
+        note = (job["result"] or "").splitlines()[0] if job["result"] else ("cancel requested" if job["cancel_requested"] else "")
+        table.add_row(
+            str(job["id"]), job["name"], job["owner"], job["state"], _short_plan(plan), step, speed, str(len(store.attempts(job["id"]))), note
+        )
+    Console().print(table)
+    return EXIT_OK
+
+
+def _short_plan(plan: dict[str, Any]) -> str:
+    from oomguard.strategies.plan import Plan
+
+    return Plan.from_dict(plan).short()
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    _, store = open_store(args.state_dir)
+    record = job_record(store, store.job(args.job))
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return EXIT_OK
+    print(f"job {record['id']} {record['name']} (owner {record['owner']}): {record['state']}")
+    print(f"  workdir: {record['workdir']}")
+    print(f"  plan: {_short_plan(record['plan'])}")
+    if record["result"]:
+        print(f"  result: {record['result']}")
+    for attempt in record["attempts"]:
+        outcome = attempt["outcome"] or {}
+        ended = f"{outcome.get('kind')} at step {outcome.get('step')}" if outcome else "running"
+        print(f"  attempt {attempt['number']}: [{_short_plan(attempt['plan'])}] {ended}")
+        if attempt["rung"] or attempt["reason"]:
+            print(f"    why: {attempt['rung'] or 'retry'}: {attempt['reason']}")
+    if record["report"]:
+        print(record["report"])
+    return EXIT_OK
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    _, store = open_store(args.state_dir)
+    job = store.job(args.job)
+    printed: dict[str, int] = {}
+    while True:
+        for attempt in store.attempts(job["id"]):
+            log = Path(attempt["directory"]) / LOG
+            if attempt["directory"] not in printed:
+                print(f"== attempt {attempt['number']} ({_short_plan(json.loads(attempt['plan']))}) ==", flush=True)
+                printed[attempt["directory"]] = 0
+            if log.exists():
+                with log.open("rb") as f:
+                    f.seek(printed[attempt["directory"]])
+                    chunk = f.read()
+                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
+                sys.stdout.flush()
+                printed[attempt["directory"]] += len(chunk)
+        if not args.follow or store.job(job["id"])["state"] in TERMINAL_STATES:
+            return EXIT_OK
+        time.sleep(0.5)
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    _, store = open_store(args.state_dir)
+    job = store.job(args.job)
+    if job["state"] in TERMINAL_STATES:
+        raise CliError(f"job {job['id']} ({job['name']}) has already ended: {job['state']}", EXIT_FAILED)
+    store.request_cancel(job["id"])
+    print(f"cancel requested for job {job['id']} ({job['name']}): the daemon checkpoints and stops it")
+    return EXIT_OK
+
+
+class _Lock:
+    """One daemon per state directory: an flock on STATE/daemon.lock."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.open("a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            raise CliError(f"another oomguard daemon (pid {holder}) is using {path.parent}; stop it first", EXIT_LOCKED) from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(str(os.getpid()))
+        self.file.flush()
+
+
+def _stop_on_signals(supervisor: Any) -> None:
+    def handler(signum: int, frame: object) -> None:
+        if not supervisor.stopping:
+            print(f"received {signal.Signals(signum).name}: checkpointing and stopping running attempts", flush=True)
+        supervisor.stop_all()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    from oomguard.daemon.spool import Spool
+    from oomguard.daemon.supervisor import Supervisor
+
+    state, store = open_store(args.state_dir)
+    lock = _Lock(state.root / "daemon.lock")
+    spool = Spool(state.inbox, state.accepted, state.rejected)
+    supervisor = Supervisor(
+        state, store, max_parallel=args.max_parallel, emulate_device_memory=cap_schedule(args.emulate_device_memory), on_event=print_event, spool=spool
+    )
+    _stop_on_signals(supervisor)
+    spool.start()
+    print(f"oomguard daemon {os.getpid()} watching {state.inbox}", flush=True)
+    try:
+        while not (supervisor.stopping and not supervisor.active()):
+            supervisor.tick()
+            time.sleep(args.poll_interval)
+    finally:
+        spool.stop()
+        store.close()
+        lock.file.close()
+    print("oomguard daemon stopped", flush=True)
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from oomguard.daemon.supervisor import Supervisor
+
+    try:
+        spec = load_job_file(Path(args.file))
+    except JobFileError as error:
+        raise CliError(f"rejected: {error}") from None
+    emulate = cap_schedule(args.emulate_device_memory)
+    workdir = Path(args.workdir).resolve()
+    if (workdir / "final").exists():
+        raise CliError(f"{workdir} already holds a finished run ({workdir / 'final'}); choose another --workdir or remove it")
+    state, store = open_store(workdir / ".oomguard")
+    lock = _Lock(state.root / "daemon.lock")
+    quiet = args.json
+    supervisor = Supervisor(state, store, emulate_device_memory=emulate, on_event=None if quiet else print_event)
+    unfinished = [j for j in store.jobs() if j["name"] == spec.name and j["state"] not in TERMINAL_STATES]
+    if unfinished:
+        job_id = unfinished[-1]["id"]
+        if not quiet:
+            print(f"continuing job {job_id} ({spec.name}) in {workdir}", flush=True)
+    else:
+        job_id = supervisor.add_job(spec, current_user(), workdir=str(workdir))
+    _stop_on_signals(supervisor)
+    last_progress, last_step = 0.0, None
+    while True:
+        supervisor.tick()
+        if supervisor.job_done(job_id) or (supervisor.stopping and not supervisor.active()):
+            break
+        if not quiet and time.monotonic() - last_progress >= 5:
+            heartbeat = latest_heartbeat(store, job_id)
+            if heartbeat and heartbeat["step"] != last_step and store.job(job_id)["state"] == "running":
+                last_step = heartbeat["step"]
+                print(f"    step {heartbeat['step']}/{heartbeat['max_steps']}  loss {heartbeat['loss']:.4f}  {heartbeat['samples_per_s']:.1f} samples/s", flush=True)
+            last_progress = time.monotonic()
+        time.sleep(0.2)
+    job = store.job(job_id)
+    if args.json:
+        print(json.dumps(job_record(store, job), indent=2))
+    store.close()
+    lock.file.close()
+    if supervisor.stopping and job["state"] not in TERMINAL_STATES:
+        if not quiet:
+            print(f"stopped; run the same command again to continue from the checkpoint in {workdir}", flush=True)
+        return EXIT_INTERRUPTED
+    return EXIT_OK if job["state"] == "finished" else EXIT_FAILED
+
+
+# Parser -----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="oomguard", description="Keeps diffusion training jobs alive through GPU out-of-memory errors.")
+    parser.add_argument(
+        "--state-dir", type=Path, default=None, help="the daemon's state directory (default: $OOMGUARD_STATE_DIR or ~/.local/state/oomguard)"
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    daemon = commands.add_parser("daemon", help="run the supervisor in the foreground")
+    daemon.add_argument("--max-parallel", type=int, default=1, help="attempts running at once (default 1)")
+    daemon.add_argument("--emulate-device-memory", metavar="SIZE", help="emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15 (see README)")
+    daemon.add_argument("--poll-interval", type=float, default=0.5, help=argparse.SUPPRESS)
+    daemon.set_defaults(handler=cmd_daemon)
+
+    submit = commands.add_parser("submit", help="validate a job file and queue it")
+    submit.add_argument("file")
+    submit.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the daemon to queue it (default 10)")
+    submit.set_defaults(handler=cmd_submit)
+
+    commands.add_parser("status", help="a table of all jobs").set_defaults(handler=cmd_status)
+
+    show = commands.add_parser("show", help="one job with its attempts, plans and outcomes")
+    show.add_argument("job", help="job id or name")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=cmd_show)
+
+    logs = commands.add_parser("logs", help="the training output of a job's attempts")
+    logs.add_argument("job", help="job id or name")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    logs.set_defaults(handler=cmd_logs)
+
+    cancel = commands.add_parser("cancel", help="checkpoint and stop a job")
+    cancel.add_argument("job", help="job id or name")
+    cancel.set_defaults(handler=cmd_cancel)
+
+    run = commands.add_parser("run", help="run one job in the foreground (no daemon needed)")
+    run.add_argument("file")
+    run.add_argument("--workdir", required=True, help="where checkpoints, attempts and the final model go")
+    run.add_argument("--emulate-device-memory", metavar="SIZE", help="emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15")
+    run.add_argument("--json", action="store_true", help="print only the final job record as JSON")
+    run.set_defaults(handler=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.state_dir is None:
+        args.state_dir = default_state_dir()
+    try:
+        return int(args.handler(args))
+    except CliError as error:
+        print(f"oomguard: {error}", file=sys.stderr)
+        return error.code
+    except JobNotFound as error:
+        print(f"oomguard: {error}", file=sys.stderr)
+        return EXIT_NOT_FOUND
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""The spool: job files arrive in ``inbox/``; the daemon validates each one, records it and
+moves it to ``accepted/``, or moves it to ``rejected/`` beside a ``.error`` file that says
+what is wrong. A bad file never stops the daemon.
+
+``oomguard submit`` writes into the inbox under a hidden temporary name and renames it, so the
+daemon never reads half a file; it also puts a first line ``# oomguard-base-dir: DIR`` in the
+copy, so relative paths in the job still mean what they meant next to the original file.
+Files dropped in by hand are treated the same way (their relative paths are taken from the
+inbox).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import queue
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from watchdog.events import FileClosedEvent, FileMovedEvent, FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from oomguard.jobs.spec import JobFileError, JobSpec, parse_job_text
+
+BASE_DIR_HEADER = "# oomguard-base-dir: "
+# A file found by the periodic rescan (not by an event) is read only once it is this old, so a
+# file being copied in by hand is not read half-written.
+SETTLE_SECONDS = 2.0
+
+
+def owner_name(path: Path) -> str:
+    uid = path.stat().st_uid
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def spool_text(job_file: Path) -> str:
+    """The inbox copy of a job file: its text under a header naming its folder."""
+    return f"{BASE_DIR_HEADER}{job_file.resolve().parent}\n{job_file.read_text(encoding='utf-8')}"
+
+
+def write_to_inbox(inbox: Path, job_file: Path, text: str) -> Path:
+    """Atomically place ``text`` in the inbox under a unique name; returns its final path."""
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{job_file.stem}"
+    temporary = inbox / f".{stem}.tmp"
+    temporary.write_text(text, encoding="utf-8")
+    final = inbox / f"{stem}.toml"
+    os.replace(temporary, final)
+    return final
+
+
+def parse_spooled(path: Path, display_name: str | None = None) -> JobSpec:
+    """Validate an inbox file; errors name the job by ``display_name`` (the user's file name)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise JobFileError(display_name or path.name, None, f"not valid UTF-8 text ({error.reason})") from None
+    base_dir = path.parent
+    if text.startswith(BASE_DIR_HEADER):
+        # Drop the header so that line numbers in TOML errors match the user's file.
+        first_line, _, text = text.partition("\n")
+        base_dir = Path(first_line[len(BASE_DIR_HEADER):].strip())
+    return parse_job_text(text, display_name or path.name, base_dir=base_dir)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A job file that passed validation and now waits in accepted/."""
+
+    spec: JobSpec
+    owner: str
+    spool_file: str
+
+
+@dataclass(frozen=True)
+class Rejection:
+    file: str
+    error: str
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, ready: queue.Queue[Path], inbox: Path) -> None:
+        self.ready = ready
+        self.inbox = inbox
+
+    def on_closed(self, event: FileClosedEvent) -> None:
+        self._offer(str(event.src_path))
+
+    def on_moved(self, event: FileMovedEvent) -> None:
+        self._offer(str(event.dest_path))
+
+    def _offer(self, path_text: str) -> None:
+        path = Path(path_text)
+        if path.parent == self.inbox and not path.name.startswith("."):
+            self.ready.put(path)
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        return None
+
+
+class Spool:
+    """Watches the inbox (watchdog, acting on close and on move, never on create)."""
+
+    def __init__(self, inbox: Path, accepted: Path, rejected: Path, rescan_seconds: float = 10.0) -> None:
+        self.inbox, self.accepted, self.rejected = inbox, accepted, rejected
+        self.rescan_seconds = rescan_seconds
+        self._ready: queue.Queue[Path] = queue.Queue()
+        self._observer = Observer()
+        self._observer.schedule(_Handler(self._ready, inbox.resolve()), str(inbox.resolve()), recursive=False)
+        self._last_scan = 0.0
+
+    def start(self) -> None:
+        self._observer.start()
+        # Files that arrived while no daemon was watching.
+        self._scan(settled_only=False)
+
+    def stop(self) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=5)
+
+    def _scan(self, settled_only: bool) -> None:
+        self._last_scan = time.monotonic()
+        now = time.time()
+        for path in sorted(self.inbox.iterdir()):
+            if path.name.startswith(".") or not path.is_file():
+                continue
+            if settled_only and now - path.stat().st_mtime < SETTLE_SECONDS:
+                continue
+            self._ready.put(path.resolve())
+
+    def pending(self) -> list[Path]:
+        """Inbox files to look at now (each at most once; missing ones are dropped)."""
+        # The rescan is a safety net for events the observer missed (e.g. an overflowed
+        # inotify queue); watchdog normally reports a file within milliseconds.
+        if time.monotonic() - self._last_scan >= self.rescan_seconds:
+            self._scan(settled_only=True)
+        seen: list[Path] = []
+        while True:
+            try:
+                path = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            if path not in seen and path.exists():
+                seen.append(path)
+        return seen
+
+    def take(self, path: Path) -> Arrival | Rejection:
+        """Validate one inbox file and move it out of the inbox."""
+        try:
+            spec = parse_spooled(path)
+        except JobFileError as error:
+            return self.reject(path, str(error))
+        return Arrival(spec=spec, owner=owner_name(path), spool_file=path.name)
+
+    def accept(self, path: Path, job_id: int) -> Path:
+        destination = self.accepted / f"{job_id:06d}-{path.name}"
+        shutil.move(str(path), destination)
+        return destination
+
+    def reject(self, path: Path, error: str) -> Rejection:
+        destination = self.rejected / path.name
+        shutil.move(str(path), destination)
+        destination.with_name(destination.name + ".error").write_text(error + "\n")
+        return Rejection(file=path.name, error=error)

@@ -1,0 +1,195 @@
+"""The daemon's state in SQLite (through sqlite-utils): jobs, attempts and events.
+
+Nothing important lives only in memory: a restarted daemon reads everything back from here.
+WAL lets the CLI read while the daemon writes; a busy timeout makes writers wait their turn.
+The schema version is SQLite's user_version; MIGRATIONS[i] takes the schema from version i
+to i + 1, so an old database is brought up to date when it is opened.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import sqlite_utils
+
+JobState = Literal["queued", "running", "finished", "failed", "cancelled"]
+TERMINAL_STATES: tuple[JobState, ...] = ("finished", "failed", "cancelled")
+
+
+class JobNotFound(LookupError):
+    """No job has that id or name."""
+
+
+def _create_tables(db: sqlite_utils.Database) -> None:
+    db["jobs"].create(
+        {
+            "id": int,
+            "name": str,
+            "owner": str,
+            "spec": str,  # JobSpec.to_dict() as JSON
+            "state": str,
+            "priority": int,
+            "submitted_at": float,
+            "started_at": float,
+            "ended_at": float,
+            "workdir": str,
+            "plan": str,  # the Plan the next (or current) attempt runs under, as JSON
+            "next_rung": str,  # rung and reason that produced `plan`, recorded on the next attempt
+            "next_reason": str,
+            "cancel_requested": int,
+            "result": str,  # why it ended: one line
+            "report": str,  # the doctor's report when it failed
+            "spool_file": str,
+            "emulate_device_memory": str,
+        },
+        pk="id",
+        not_null={"name", "owner", "spec", "state", "submitted_at", "workdir", "plan"},
+        defaults={"priority": 0, "cancel_requested": 0},
+    )
+    db["jobs"].create_index(["state", "priority", "id"])
+    db["jobs"].create_index(["spool_file"], unique=True)
+    db["attempts"].create(
+        {
+            "id": int,
+            "job_id": int,
+            "number": int,
+            "plan": str,
+            "rung": str,
+            "reason": str,
+            "directory": str,
+            "pid": int,
+            "started_at": float,
+            "ended_at": float,
+            "outcome_kind": str,
+            "outcome": str,  # Outcome.to_dict() as JSON
+            "exit_code": int,
+            "resumed_from": int,
+            "term_sent_at": float,
+        },
+        pk="id",
+        foreign_keys=[("job_id", "jobs", "id")],
+        not_null={"job_id", "number", "plan", "directory", "started_at"},
+    )
+    db["attempts"].create_index(["job_id", "number"], unique=True)
+    db["events"].create(
+        {"id": int, "job_id": int, "at": float, "kind": str, "message": str},
+        pk="id",
+        foreign_keys=[("job_id", "jobs", "id")],
+    )
+    db["events"].create_index(["job_id", "id"])
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_create_tables]
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite_utils.Database(path)
+        self.db.execute("PRAGMA busy_timeout = 10000")
+        self.db.enable_wal()
+        self._migrate()
+
+    def close(self) -> None:
+        self.db.close()
+
+    def _migrate(self) -> None:
+        with self.db.atomic():
+            version = self.db.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                raise RuntimeError(
+                    f"the database {self.db.conn} has schema version {version}, newer than this oomguard "
+                    f"knows ({len(MIGRATIONS)}); upgrade oomguard"
+                )
+            for migration in MIGRATIONS[version:]:
+                migration(self.db)
+            self.db.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
+
+    @contextmanager
+    def atomic(self) -> Iterator[None]:
+        with self.db.atomic():
+            yield
+
+    # Jobs -----------------------------------------------------------------------------------
+
+    def add_job(self, *, name: str, owner: str, spec: dict[str, Any], priority: int, workdir: str | None, plan: dict[str, Any], spool_file: str | None, emulate_device_memory: str | None, jobs_root: Path) -> int:
+        """Record a queued job; its workdir defaults to jobs_root/<id>."""
+        with self.db.atomic():
+            table = self.db["jobs"]
+            table.insert(
+                {
+                    "name": name,
+                    "owner": owner,
+                    "spec": json.dumps(spec),
+                    "state": "queued",
+                    "priority": priority,
+                    "submitted_at": time.time(),
+                    "workdir": workdir or "",
+                    "plan": json.dumps(plan),
+                    "spool_file": spool_file,
+                    "emulate_device_memory": emulate_device_memory,
+                }
+            )
+            job_id = table.last_pk
+            if not workdir:
+                table.update(job_id, {"workdir": str(jobs_root / str(job_id))})
+        return int(job_id)
+
+    def job(self, key: int | str) -> dict[str, Any]:
+        """A job by id, or by name (the newest job of that name)."""
+        text = str(key)
+        if text.isdigit():
+            rows = list(self.db.query("select * from jobs where id = ?", [int(text)]))
+        else:
+            rows = list(self.db.query("select * from jobs where name = ? order by id desc limit 1", [text]))
+        if not rows:
+            raise JobNotFound(f"no job {text!r}; `oomguard status` lists the jobs")
+        return rows[0]
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return list(self.db.query("select * from jobs order by id"))
+
+    def job_by_spool_file(self, spool_file: str) -> dict[str, Any] | None:
+        rows = list(self.db.query("select * from jobs where spool_file = ?", [spool_file]))
+        return rows[0] if rows else None
+
+    def queued_jobs(self) -> list[dict[str, Any]]:
+        """Jobs waiting to run: highest priority first, then first come first served."""
+        return list(self.db.query("select * from jobs where state = 'queued' order by priority desc, id"))
+
+    def update_job(self, job_id: int, **fields: Any) -> None:
+        self.db["jobs"].update(job_id, fields)
+
+    def request_cancel(self, job_id: int) -> None:
+        self.db["jobs"].update(job_id, {"cancel_requested": 1})
+
+    # Attempts -------------------------------------------------------------------------------
+
+    def add_attempt(self, **fields: Any) -> int:
+        table = self.db["attempts"]
+        table.insert(fields)
+        return int(table.last_pk)
+
+    def update_attempt(self, attempt_id: int, **fields: Any) -> None:
+        self.db["attempts"].update(attempt_id, fields)
+
+    def attempts(self, job_id: int) -> list[dict[str, Any]]:
+        return list(self.db.query("select * from attempts where job_id = ? order by number", [job_id]))
+
+    def running_attempts(self) -> list[dict[str, Any]]:
+        return list(self.db.query("select * from attempts where ended_at is null order by id"))
+
+    # Events ---------------------------------------------------------------------------------
+
+    def add_event(self, job_id: int, kind: str, message: str) -> None:
+        self.db["events"].insert({"job_id": job_id, "at": time.time(), "kind": kind, "message": message})
+
+    def events(self, job_id: int | None = None, after_id: int = 0) -> list[dict[str, Any]]:
+        if job_id is None:
+            return list(self.db.query("select * from events where id > ? order by id", [after_id]))
+        return list(self.db.query("select * from events where job_id = ? and id > ? order by id", [job_id, after_id]))
