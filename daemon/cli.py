@@ -129,7 +129,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         table.add_row(
             str(job["id"]), job["name"], job["owner"], job["state"], _short_plan(plan), step, speed, str(len(store.attempts(job["id"]))), note
         )
-    Console().print(table)
+    # Piped output is not cut to 80 columns: scripts and logs get whole rows.
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
     return EXIT_OK
 
 

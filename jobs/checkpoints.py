@@ -85,7 +85,9 @@ def save(checkpoints_dir: Path, step: int, plan: dict[str, Any], write_state: Ca
     temporary.rename(final)
     _fsync_directory(checkpoints_dir)
     checkpoint = verify(final)
-    prune(checkpoints_dir, keep)
+    # The new checkpoint is kept even when newer (damaged) ones outnumber ``keep``: a run that
+    # fell back past a damaged checkpoint must not delete what it has just saved.
+    prune(checkpoints_dir, keep, protect=final)
     return checkpoint
 
 
@@ -95,24 +97,40 @@ def verify(path: Path) -> Checkpoint:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no {MANIFEST}") from None
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{path}: {MANIFEST} is not valid JSON ({error})") from None
-    for name, expected in manifest["files"].items():
+    try:
+        # A damaged manifest may still parse: read every field before trusting any.
+        step = int(manifest["step"])
+        plan = manifest["plan"]
+        files = {str(name): (int(entry["size"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
+        if not isinstance(plan, dict):
+            raise TypeError(f"plan is {type(plan).__name__}, not an object")
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(f"{path}: {MANIFEST} is not a checkpoint manifest ({type(error).__name__}: {error})") from None
+    for name, (size, sha256) in files.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{path}: {name} is missing")
-        if file.stat().st_size != expected["size"]:
-            raise CheckpointError(f"{path}: {name} has {file.stat().st_size} bytes, the manifest says {expected['size']}")
-        if _sha256(file) != expected["sha256"]:
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{path}: {name} has {file.stat().st_size} bytes, the manifest says {size}")
+        if _sha256(file) != sha256:
             raise CheckpointError(f"{path}: {name} does not match its sha256 in the manifest")
-    return Checkpoint(path=path, step=int(manifest["step"]), plan=manifest["plan"])
+    return Checkpoint(path=path, step=step, plan=plan)
+
+
+def _step_of(path: Path) -> int | None:
+    digits = path.name[len(PREFIX):]
+    return int(digits) if path.name.startswith(PREFIX) and digits.isascii() and digits.isdigit() else None
 
 
 def candidates(checkpoints_dir: Path) -> list[Path]:
-    """Checkpoint directories, newest step first."""
+    """Checkpoint directories, newest step first (by number: step-1000000 is newer than
+    step-999999 although it sorts before it as text)."""
     if not checkpoints_dir.is_dir():
         return []
-    return sorted((p for p in checkpoints_dir.iterdir() if p.is_dir() and p.name.startswith(PREFIX)), reverse=True)
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and _step_of(p) is not None]
+    return sorted(found, key=lambda p: _step_of(p), reverse=True)  # type: ignore[arg-type, return-value]
 
 
 def latest_valid(checkpoints_dir: Path, warn: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> Checkpoint | None:
@@ -125,10 +143,11 @@ def latest_valid(checkpoints_dir: Path, warn: Callable[[str], None] = lambda tex
     return None
 
 
-def prune(checkpoints_dir: Path, keep: int) -> None:
-    """Keep the ``keep`` newest checkpoints; remove leftovers of interrupted writes."""
+def prune(checkpoints_dir: Path, keep: int, protect: Path | None = None) -> None:
+    """Keep the ``keep`` newest checkpoints (and ``protect``); remove leftovers of interrupted writes."""
     for path in candidates(checkpoints_dir)[keep:]:
-        shutil.rmtree(path)
+        if path != protect:
+            shutil.rmtree(path)
     for leftover in checkpoints_dir.glob(".tmp-*"):
         pid = leftover.name.rsplit("-", 1)[-1]
         if pid != str(os.getpid()):

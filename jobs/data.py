@@ -24,7 +24,7 @@ class ImageSource:
             self._count = int(source[len(SYNTHETIC_PREFIX):])
             self._paths: list[Path] = []
         else:
-            self._paths = sorted(p for p in Path(source).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+            self._paths = sorted(p for p in Path(source).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
             self._count = len(self._paths)
             if not self._paths:
                 raise ValueError(f"no images ({', '.join(IMAGE_SUFFIXES)}) under {source}")

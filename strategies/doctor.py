@@ -161,13 +161,18 @@ def report(history: Sequence[PastAttempt], policy: Policy) -> str:
         line = f"  {number}. [{past.plan.short()}] {o.kind} at step {o.step}"
         if o.kind == "oom":
             line += f" ({describe_oom(o)})"
-        elif o.message:
-            line += f" ({o.message.strip().splitlines()[-1]})"
+        elif o.message.strip():
+            line += f" ({o.message.strip().splitlines()[-1].strip()})"
         lines.append(line)
     not_allowed = [name for name in RUNG_NAMES if name not in policy.allow]
     if not_allowed:
         lines.append("Rungs this job does not allow: " + ", ".join(not_allowed) + ".")
-        lines.append('To allow more, extend the job file, e.g.: [ladder] allow = [' + ", ".join(f'"{n}"' for n in (*policy.allow, *not_allowed[:1])) + "]")
+    # Suggest only rungs this version can take: allowing one without code would change nothing.
+    could_help = [name for name in not_allowed if ladder.rung(name) is not None]
+    if could_help:
+        lines.append('To allow more, extend the job file, e.g.: [ladder] allow = [' + ", ".join(f'"{n}"' for n in (*policy.allow, *could_help)) + "]")
+    elif not_allowed:
+        lines.append("Every rung this version of oomguard implements is already allowed.")
     missing = [name for name in policy.allow if ladder.rung(name) is None]
     if missing:
         lines.append("Allowed but not available in this version of oomguard: " + ", ".join(missing) + ".")

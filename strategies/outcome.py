@@ -69,8 +69,12 @@ class Outcome:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Outcome:
+        # Keys this version does not know (written by a newer runner, or kept in the store
+        # across a downgrade) are ignored, as Plan.from_dict does, rather than crash the daemon.
         memory = data.get("memory")
-        return cls(**{**data, "memory": MemoryFigures(**memory) if memory else None})
+        if memory:
+            memory = MemoryFigures(**_known(MemoryFigures, memory))
+        return cls(**{**_known(cls, data), "memory": memory or None})
 
     @classmethod
     def from_exit_status(cls, returncode: int) -> Outcome:
@@ -80,3 +84,8 @@ class Outcome:
             return cls(kind="crashed", message=f"the runner was killed by {name} before it could report", exit_code=returncode)
         kind = KIND_BY_EXIT_CODE.get(returncode, "crashed")
         return cls(kind=kind, message=f"the runner exited with code {returncode} without writing outcome.json", exit_code=returncode)
+
+
+def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}

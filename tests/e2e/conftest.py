@@ -1,0 +1,128 @@
+"""Real `oomguard` processes in a temp dir: the CLI and the daemon, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TINY_JOB = """\
+name = "{name}"
+trainer = "unconditional"
+[data]
+source = "synthetic:16"
+resolution = 16
+[model]
+block_out_channels = [8, 16]
+layers_per_block = 1
+down_block_types = ["DownBlock2D", "AttnDownBlock2D"]
+up_block_types = ["AttnUpBlock2D", "UpBlock2D"]
+norm_num_groups = 4
+[train]
+batch_size = 8
+max_steps = {max_steps}
+learning_rate = 1e-3
+checkpoint_every_steps = 4
+"""
+# Emulated peaks of TINY_JOB (measured): micro-batch 8 about 5.0 MiB, 4 about 2.9 MiB. This
+# cap lets the full batch run until step 5, then only micro-batch 4 fits: the first OOM comes
+# after the first checkpoint (step 4).
+TINY_CAP = "64MiB,4MiB@5"
+
+
+def tiny_job(folder: Path, name: str = "tiny", max_steps: int = 12) -> Path:
+    path = folder / f"{name}.toml"
+    path.write_text(TINY_JOB.format(name=name, max_steps=max_steps))
+    return path
+
+
+def oomguard(*args: str, state_dir: Path | None = None, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+    prefix = ["--state-dir", str(state_dir)] if state_dir else []
+    result = subprocess.run(
+        [sys.executable, "-m", "oomguard.daemon.cli", *prefix, *args], capture_output=True, text=True, timeout=timeout
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(f"oomguard {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")
+    return result
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class Daemon:
+    """An `oomguard daemon` process; its output goes to STATE/daemon.out."""
+
+    def __init__(self, state_dir: Path, *extra: str) -> None:
+        self.state_dir = state_dir
+        self.extra = extra
+        self.process: subprocess.Popen[bytes] | None = None
+        self.output_path = state_dir / "daemon.out"
+
+    def start(self) -> Daemon:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        output = self.output_path.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(self.state_dir), "daemon", "--poll-interval", "0.1", *self.extra],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+        wait_for(lambda: "watching" in self.output(), 30, "the daemon to start")
+        return self
+
+    def output(self) -> str:
+        return self.output_path.read_text() if self.output_path.exists() else ""
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout: float = 90) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=timeout)
+
+    def show(self, job: str) -> dict[str, Any]:
+        return json.loads(oomguard("show", job, "--json", state_dir=self.state_dir, check=True).stdout)
+
+    def wait_job(self, job: str, timeout: float = 180) -> dict[str, Any]:
+        return wait_for(
+            lambda: (record := self.show(job))["state"] in ("finished", "failed", "cancelled") and record, timeout, f"job {job} to end"
+        )
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    started: list[Daemon] = []
+
+    def make(*extra: str, state_dir: Path | None = None) -> Daemon:
+        daemon = Daemon(state_dir or tmp_path / "state", *extra).start()
+        started.append(daemon)
+        return daemon
+
+    yield make
+    for daemon in started:
+        if daemon.alive():
+            daemon.stop()
+    # Leave no runner behind: they run in their own sessions.
+    for pid_dir in Path("/proc").iterdir():
+        if pid_dir.name.isdigit():
+            try:
+                cmdline = (pid_dir / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"oomguard.jobs.run" in cmdline and str(tmp_path).encode() in cmdline:
+                os.kill(int(pid_dir.name), signal.SIGKILL)

@@ -1,0 +1,482 @@
+import json
+
+import pytest
+
+from oomguard.strategies.doctor import (
+    GiveUp,
+    NextPlan,
+    PastAttempt,
+    Policy,
+    Retry,
+    decide,
+    describe_oom,
+    format_bytes,
+    is_fragmentation,
+    report,
+)
+from oomguard.strategies.names import EXACT_RUNG_NAMES
+from oomguard.strategies.outcome import (
+    EXIT_CRASHED,
+    EXIT_DIVERGED,
+    EXIT_FINISHED,
+    EXIT_INTERRUPTED,
+    EXIT_OOM,
+    EXIT_USAGE,
+    MemoryFigures,
+    Outcome,
+)
+from oomguard.strategies.plan import EXPANDABLE_SEGMENTS, Plan
+
+MiB = 2**20
+START = Plan.initial(16)
+
+
+def oom(step=5, phase="backward", requested=64 * MiB, allocated=900 * MiB, reserved=None, breakdown=None, total=1024 * MiB):
+    """An OOM; ``reserved`` defaults to a little above ``allocated`` (no fragmentation)."""
+    reserved = allocated + 2 * MiB if reserved is None else reserved
+    memory = MemoryFigures(requested=requested, allocated=allocated, reserved=reserved, free=0, total=total, breakdown=breakdown or {})
+    return Outcome(kind="oom", step=step, phase=phase, memory=memory, message="CUDA out of memory.")
+
+
+def fragmented(**kwargs):
+    return oom(requested=64 * MiB, allocated=700 * MiB, reserved=900 * MiB, **kwargs)
+
+
+def crash(message="RuntimeError: boom", kind="crashed", step=3):
+    return Outcome(kind=kind, step=step, message=message, traceback_tail="Traceback ...\n" + message)
+
+
+def run_ladder(outcome_for, plan=START, policy=Policy(), limit=50):
+    """Let every attempt end with ``outcome_for(plan)`` and follow the doctor until it stops
+    taking rungs. Returns the history and every decision."""
+    history, decisions = [], []
+    for _ in range(limit):
+        outcome = outcome_for(plan)
+        history.append(PastAttempt(plan, outcome))
+        decision = decide(outcome, plan, history, policy)
+        decisions.append(decision)
+        if not isinstance(decision, NextPlan):
+            return history, decisions
+        plan = decision.plan
+    raise AssertionError("the doctor did not stop")
+
+
+# Diagnosis ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("memory", "expected"),
+    [
+        (None, False),
+        (MemoryFigures(), False),
+        (MemoryFigures(requested=None, allocated=1, reserved=100), False),
+        (MemoryFigures(requested=10, allocated=None, reserved=100), False),
+        (MemoryFigures(requested=10, allocated=100, reserved=None), False),
+        # unallocated (reserved - allocated) compared with the request
+        (MemoryFigures(requested=10, allocated=100, reserved=109), False),
+        (MemoryFigures(requested=10, allocated=100, reserved=110), True),
+        (MemoryFigures(requested=10, allocated=100, reserved=500), True),
+        (MemoryFigures(requested=10, allocated=100, reserved=100), False),
+        # nothing unallocated is never fragmentation, even for an empty request
+        (MemoryFigures(requested=0, allocated=100, reserved=100), False),
+        (MemoryFigures(requested=0, allocated=100, reserved=101), True),
+        (MemoryFigures(requested=64 * MiB, allocated=700 * MiB, reserved=900 * MiB), True),
+        (MemoryFigures(requested=512 * MiB, allocated=700 * MiB, reserved=900 * MiB), False),
+    ],
+)
+def test_is_fragmentation(memory, expected):
+    assert is_fragmentation(memory) is expected
+
+
+@pytest.mark.parametrize(
+    ("outcome", "expected"),
+    [
+        (Outcome(kind="oom", step=7, phase="backward"), "out of memory in backward at step 7"),
+        (Outcome(kind="oom", step=0), "out of memory at step 0"),
+        (
+            oom(step=12, phase="forward", requested=64 * MiB, allocated=900 * MiB, total=1024 * MiB),
+            "out of memory in forward at step 12: tried to allocate 64.0 MiB with 900.0 MiB of 1024.0 MiB in use",
+        ),
+        (
+            oom(step=3, phase="optimizer", breakdown={"parameters": 100 * MiB, "optimizer_state": 200 * MiB, "activations": 50 * MiB}),
+            "out of memory in optimizer at step 3: tried to allocate 64.0 MiB with 900.0 MiB of 1024.0 MiB in use;"
+            " optimizer_state dominate (200.0 MiB)",
+        ),
+        (
+            Outcome(kind="oom", step=1, phase="data", memory=MemoryFigures(breakdown={"activations": 3 * MiB // 2})),
+            "out of memory in data at step 1: tried to allocate ? with ? of ? in use; activations dominate (1.5 MiB)",
+        ),
+    ],
+)
+def test_describe_oom(outcome, expected):
+    text = describe_oom(outcome)
+    assert text == expected
+    assert "  " not in text
+
+
+@pytest.mark.parametrize(("n", "expected"), [(None, "?"), (0, "0.0 MiB"), (MiB, "1.0 MiB"), (1536 * 1024, "1.5 MiB"), (4096 * MiB, "4096.0 MiB")])
+def test_format_bytes(n, expected):
+    assert format_bytes(n) == expected
+
+
+# Taking rungs ---------------------------------------------------------------------------------
+
+
+def test_fragmentation_takes_the_allocator_rung_first():
+    outcome = fragmented()
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
+    assert isinstance(decision, NextPlan)
+    assert decision.rung == "allocator"
+    assert decision.plan == START.replace(allocator=EXPANDABLE_SEGMENTS)
+    assert "fragmentation" in decision.reason
+    assert "200.0 MiB reserved but unallocated" in decision.reason
+    assert "expandable segments" in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("plan", "allow", "rung", "expected"),
+    [
+        # allocator not allowed: the next rung
+        (START, ("micro_batch", "checkpointing"), "micro_batch", START.replace(micro_batch=8)),
+        # allocator already set: the next rung
+        (START.replace(allocator=EXPANDABLE_SEGMENTS), EXACT_RUNG_NAMES, "micro_batch", START.replace(allocator=EXPANDABLE_SEGMENTS, micro_batch=8)),
+        (START, ("allocator",), "allocator", START.replace(allocator=EXPANDABLE_SEGMENTS)),
+        (START, ("checkpointing", "allocator"), "allocator", START.replace(allocator=EXPANDABLE_SEGMENTS)),
+    ],
+)
+def test_fragmentation_respects_the_policy_and_the_plan(plan, allow, rung, expected):
+    outcome = fragmented()
+    decision = decide(outcome, plan, [PastAttempt(plan, outcome)], Policy(allow=allow))
+    assert isinstance(decision, NextPlan)
+    assert (decision.rung, decision.plan) == (rung, expected)
+
+
+@pytest.mark.parametrize(
+    ("plan", "allow", "rung", "expected"),
+    [
+        (START, EXACT_RUNG_NAMES, "micro_batch", START.replace(micro_batch=8)),
+        # without fragmentation the allocator is not the cure, even when allowed
+        (START, ("allocator", "micro_batch"), "micro_batch", START.replace(micro_batch=8)),
+        (START.replace(micro_batch=1), EXACT_RUNG_NAMES, "checkpointing", START.replace(micro_batch=1, gradient_checkpointing=True)),
+        (START, ("checkpointing",), "checkpointing", START.replace(gradient_checkpointing=True)),
+        (START, ("allocator", "checkpointing"), "checkpointing", START.replace(gradient_checkpointing=True)),
+        (Plan(batch_size=10, micro_batch=5), EXACT_RUNG_NAMES, "micro_batch", Plan(batch_size=10, micro_batch=3)),
+        (
+            START.replace(allocator=EXPANDABLE_SEGMENTS, micro_batch=2),
+            EXACT_RUNG_NAMES,
+            "micro_batch",
+            START.replace(allocator=EXPANDABLE_SEGMENTS, micro_batch=1),
+        ),
+    ],
+)
+def test_plain_oom_takes_the_cheapest_allowed_rung(plan, allow, rung, expected):
+    outcome = oom(breakdown={"activations": 500 * MiB, "parameters": 10 * MiB})
+    decision = decide(outcome, plan, [PastAttempt(plan, outcome)], Policy(allow=allow))
+    assert isinstance(decision, NextPlan)
+    assert (decision.rung, decision.plan) == (rung, expected)
+    assert decision.reason.startswith(describe_oom(outcome) + " -> ")
+    assert "activations dominate" in decision.reason
+
+
+def test_the_whole_ladder_then_give_up_with_a_report():
+    history, decisions = run_ladder(lambda plan: oom(step=4))
+    assert [d.rung for d in decisions[:-1]] == ["micro_batch"] * 4 + ["checkpointing"]
+    assert [p.plan.short() for p in history] == ["mb=16x1", "mb=8x2", "mb=4x4", "mb=2x8", "mb=1x16", "mb=1x16 ckpt"]
+    give_up = decisions[-1]
+    assert isinstance(give_up, GiveUp)
+    assert "no allowed rung is left" in give_up.reason
+    lines = give_up.report.splitlines()
+    assert lines[0] == "Attempts:"
+    for number, past in enumerate(history, start=1):
+        assert f"  {number}. [{past.plan.short()}] oom at step 4 (out of memory in backward at step 4" in lines[number]
+    assert len({p.plan for p in history}) == len(history), "no plan is run twice"
+
+
+def test_fragmentation_every_time_walks_allocator_then_the_rest():
+    history, decisions = run_ladder(lambda plan: fragmented())
+    assert [d.rung for d in decisions[:-1]] == ["allocator"] + ["micro_batch"] * 4 + ["checkpointing"]
+    assert all(p.plan.allocator == EXPANDABLE_SEGMENTS for p in history[1:])
+    assert isinstance(decisions[-1], GiveUp)
+
+
+@pytest.mark.parametrize(
+    ("allow", "rungs"),
+    [
+        ((), []),
+        (("micro_batch",), ["micro_batch"] * 4),
+        (("checkpointing",), ["checkpointing"]),
+        (("allocator",), []),
+        # rungs a job may list that have no code yet are skipped, not an error
+        (("attention", "offload", "precision", "lora"), []),
+        (("lora", "checkpointing", "precision"), ["checkpointing"]),
+    ],
+)
+def test_rungs_not_allowed_are_skipped(allow, rungs):
+    history, decisions = run_ladder(lambda plan: oom(), policy=Policy(allow=allow))
+    assert [d.rung for d in decisions[:-1]] == rungs
+    assert isinstance(decisions[-1], GiveUp)
+    for decision in decisions[:-1]:
+        assert decision.rung in allow
+
+
+@pytest.mark.parametrize(
+    ("plan", "failed_before", "expected"),
+    [
+        # 8 ran out earlier (e.g. before the doctor stepped back up): straight to 4
+        (START, [START.replace(micro_batch=8)], START.replace(micro_batch=4)),
+        (START, [START.replace(micro_batch=8), START.replace(micro_batch=4)], START.replace(micro_batch=2)),
+        # micro_batch has nothing left that did not fail: the next rung
+        (
+            START.replace(micro_batch=2),
+            [START.replace(micro_batch=1)],
+            START.replace(micro_batch=2, gradient_checkpointing=True),
+        ),
+    ],
+)
+def test_a_plan_that_ran_out_of_memory_is_never_proposed_again(plan, failed_before, expected):
+    history = [PastAttempt(p, oom()) for p in failed_before]
+    outcome = oom()
+    history.append(PastAttempt(plan, outcome))
+    decision = decide(outcome, plan, history, Policy())
+    assert isinstance(decision, NextPlan)
+    assert decision.plan == expected
+
+
+def test_a_plan_that_only_crashed_may_be_proposed_again():
+    crashed_plan = START.replace(micro_batch=8)
+    history = [PastAttempt(crashed_plan, crash()), PastAttempt(START, oom())]
+    decision = decide(history[-1].outcome, START, history, Policy())
+    assert isinstance(decision, NextPlan) and decision.plan == crashed_plan
+
+
+def test_fragmentation_skips_an_allocator_plan_that_already_failed():
+    with_allocator = START.replace(allocator=EXPANDABLE_SEGMENTS)
+    history = [PastAttempt(with_allocator, oom()), PastAttempt(START, fragmented())]
+    decision = decide(fragmented(), START, history, Policy())
+    assert isinstance(decision, NextPlan)
+    assert (decision.rung, decision.plan) == ("micro_batch", START.replace(micro_batch=8))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_never_proposes_a_plan_that_ran_out_of_memory(seed):
+    """Whatever mix of outcomes came before, the proposed plan is new among the OOMed ones."""
+    import random
+
+    rng = random.Random(seed)
+    plan = START
+    history = []
+    for _ in range(11):
+        outcome = fragmented() if rng.random() < 0.3 else oom()
+        history.append(PastAttempt(plan, outcome))
+        decision = decide(outcome, plan, history, Policy(max_attempts=100))
+        if not isinstance(decision, NextPlan):
+            assert isinstance(decision, GiveUp)
+            break
+        assert decision.plan not in {p.plan for p in history if p.outcome.kind == "oom"}
+        # sometimes start over from a bigger plan, as stepping back up would
+        plan = decision.plan if rng.random() < 0.7 else decision.plan.replace(micro_batch=16)
+
+
+# Crashes, interruptions, divergence, limits ---------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["crashed", "host_oom"])
+@pytest.mark.parametrize("crash_retries", [0, 1, 2, 3])
+def test_crash_retries_are_bounded(kind, crash_retries):
+    policy = Policy(crash_retries=crash_retries)
+    history, decisions = [], []
+    for _ in range(crash_retries + 3):
+        outcome = crash(kind=kind)
+        history.append(PastAttempt(START, outcome))
+        decisions.append(decide(outcome, START, history, policy))
+        if isinstance(decisions[-1], GiveUp):
+            break
+    assert [type(d) for d in decisions] == [Retry] * crash_retries + [GiveUp]
+    for number, decision in enumerate(decisions[:-1], start=1):
+        assert f"retry {number} of {crash_retries}" in decision.reason
+        assert "RuntimeError: boom" in decision.reason
+    assert f"{kind} {crash_retries + 1} times in a row" in decisions[-1].reason
+    assert decisions[-1].report.startswith("Attempts:")
+
+
+def test_default_crash_retries_are_retry_retry_give_up():
+    history, decisions = [], []
+    for _ in range(3):
+        history.append(PastAttempt(START, crash()))
+        decisions.append(decide(history[-1].outcome, START, history, Policy()))
+    assert [type(d) for d in decisions] == [Retry, Retry, GiveUp]
+
+
+@pytest.mark.parametrize(
+    "between",
+    [
+        pytest.param(lambda: PastAttempt(START, Outcome(kind="interrupted", step=3)), id="interruption"),
+        pytest.param(lambda: PastAttempt(START.replace(micro_batch=8), crash()), id="other-plan"),
+        pytest.param(lambda: PastAttempt(START, oom()), id="oom"),
+    ],
+)
+def test_the_crash_streak_resets(between):
+    history = [PastAttempt(START, crash()), PastAttempt(START, crash()), between(), PastAttempt(START, crash())]
+    decision = decide(history[-1].outcome, START, history, Policy())
+    assert isinstance(decision, Retry)
+    assert "retry 1 of 2" in decision.reason
+
+
+def test_crash_without_a_message():
+    outcome = crash(message="  ")
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
+    assert isinstance(decision, Retry)
+    assert "(no message)" in decision.reason
+
+
+@pytest.mark.parametrize("times", [1, 5, 20])
+def test_interrupted_is_retried(times):
+    history = []
+    for _ in range(times):
+        outcome = Outcome(kind="interrupted", step=10, message="stopped on request")
+        history.append(PastAttempt(START, outcome))
+        decision = decide(outcome, START, history, Policy(max_attempts=100))
+        assert isinstance(decision, Retry)
+        assert "interrupted" in decision.reason
+
+
+def test_diverged_gives_up():
+    outcome = Outcome(kind="diverged", step=42, phase="forward", message="loss is nan at step 42")
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
+    assert isinstance(decision, GiveUp)
+    assert decision.reason == "the loss diverged at step 42: loss is nan at step 42"
+    assert "1. [mb=16x1] diverged at step 42 (loss is nan at step 42)" in decision.report
+
+
+@pytest.mark.parametrize("kind", ["finished", "cancelled"])
+def test_no_decision_after_a_normal_end(kind):
+    with pytest.raises(ValueError, match=kind):
+        decide(Outcome(kind=kind), START, [PastAttempt(START, Outcome(kind=kind))], Policy())
+
+
+@pytest.mark.parametrize(
+    "outcome",
+    [oom(), fragmented(), crash(), Outcome(kind="interrupted"), Outcome(kind="diverged")],
+    ids=lambda o: o.kind,
+)
+@pytest.mark.parametrize("max_attempts", [1, 3])
+def test_max_attempts_bounds_everything(outcome, max_attempts):
+    history = [PastAttempt(START, oom())] * (max_attempts - 1) + [PastAttempt(START, outcome)]
+    decision = decide(outcome, START, history, Policy(max_attempts=max_attempts))
+    assert isinstance(decision, GiveUp)
+    assert f"{max_attempts} attempts made, the job's limit (ladder.max_attempts) is {max_attempts}" == decision.reason
+    assert len(decision.report.splitlines()) >= 1 + max_attempts
+
+
+def test_max_attempts_ends_a_long_ladder():
+    history, decisions = run_ladder(lambda plan: oom(), policy=Policy(max_attempts=3))
+    assert len(history) == 3
+    assert [type(d) for d in decisions] == [NextPlan, NextPlan, GiveUp]
+    assert "ladder.max_attempts" in decisions[-1].reason
+
+
+# The report -------------------------------------------------------------------------------
+
+
+def test_report_suggests_the_ladder_allow_line_with_rungs_that_could_help():
+    history, decisions = run_ladder(lambda plan: oom(), policy=Policy(allow=("micro_batch",)))
+    text = decisions[-1].report
+    assert "Rungs this job does not allow: allocator, checkpointing, attention, offload, precision," in text
+    suggestion = [line for line in text.splitlines() if "[ladder]" in line]
+    assert len(suggestion) == 1
+    allow = json.loads(suggestion[0].split("allow = ", 1)[1])
+    assert allow[0] == "micro_batch"
+    assert "checkpointing" in allow
+    # only rungs this version can take are suggested
+    assert all(name in ("allocator", "micro_batch", "checkpointing") for name in allow)
+
+
+def test_report_when_every_implemented_rung_was_allowed():
+    history, decisions = run_ladder(lambda plan: oom())
+    text = decisions[-1].report
+    assert "Rungs this job does not allow: precision, optimizer_8bit, lora, base_quantization." in text
+    assert "Allowed but not available in this version of oomguard: attention, offload." in text
+    # allowing rungs that have no code would not help: no such suggestion
+    assert '"precision"' not in text
+
+
+def test_report_lists_every_kind_of_attempt():
+    history = [
+        PastAttempt(START, oom(step=2)),
+        PastAttempt(START.replace(micro_batch=8), crash(message="Traceback\nValueError: first\nRuntimeError: last line", step=3)),
+        PastAttempt(START.replace(micro_batch=8), Outcome(kind="interrupted", step=9)),
+        PastAttempt(START.replace(micro_batch=8), Outcome(kind="crashed", step=9, message=" \n ")),
+        PastAttempt(START.replace(micro_batch=8), Outcome(kind="host_oom", step=11, message="killed by the kernel")),
+    ]
+    lines = report(history, Policy()).splitlines()
+    assert lines[1].startswith("  1. [mb=16x1] oom at step 2 (out of memory in backward at step 2: ")
+    assert lines[2] == "  2. [mb=8x2] crashed at step 3 (RuntimeError: last line)"
+    assert lines[3] == "  3. [mb=8x2] interrupted at step 9"
+    assert lines[4] == "  4. [mb=8x2] crashed at step 9"
+    assert lines[5] == "  5. [mb=8x2] host_oom at step 11 (killed by the kernel)"
+
+
+# Outcome ----------------------------------------------------------------------------------
+
+OUTCOMES = [
+    Outcome(kind="finished", step=100),
+    Outcome(kind="interrupted", step=7, resumed_from=5, exit_code=EXIT_INTERRUPTED),
+    crash(),
+    oom(breakdown={"activations": 3 * MiB, "parameters": MiB}),
+    Outcome(kind="oom", step=1, phase="checkpoint", memory=MemoryFigures(requested=10)),
+    Outcome(kind="diverged", step=3, phase="forward", message="loss is inf", exit_code=EXIT_DIVERGED, resumed_from=0),
+]
+
+
+@pytest.mark.parametrize("outcome", OUTCOMES, ids=lambda o: o.kind)
+def test_outcome_round_trip(outcome):
+    assert Outcome.from_dict(outcome.to_dict()) == outcome
+    # ... through JSON, as outcome.json and the store keep it
+    assert Outcome.from_dict(json.loads(json.dumps(outcome.to_dict()))) == outcome
+
+
+def test_outcome_memory_round_trips_as_memory_figures():
+    outcome = Outcome.from_dict(json.loads(json.dumps(oom(breakdown={"activations": 3}).to_dict())))
+    assert isinstance(outcome.memory, MemoryFigures)
+    assert outcome.memory.dominant_consumer() == "activations"
+    assert outcome.memory.reserved_unallocated == 2 * MiB
+
+
+@pytest.mark.parametrize(
+    ("returncode", "kind", "words"),
+    [
+        (-9, "crashed", "killed by SIGKILL"),
+        (-15, "crashed", "killed by SIGTERM"),
+        (-11, "crashed", "killed by SIGSEGV"),
+        (-6, "crashed", "killed by SIGABRT"),
+        (-200, "crashed", "killed by 200"),
+        (EXIT_FINISHED, "finished", "exited with code 0"),
+        (EXIT_CRASHED, "crashed", "exited with code 1"),
+        (EXIT_USAGE, "crashed", "exited with code 2"),
+        (EXIT_OOM, "oom", "exited with code 3"),
+        (EXIT_DIVERGED, "diverged", "exited with code 4"),
+        (EXIT_INTERRUPTED, "interrupted", "exited with code 75"),
+        (137, "crashed", "exited with code 137"),
+    ],
+)
+def test_outcome_from_exit_status(returncode, kind, words):
+    outcome = Outcome.from_exit_status(returncode)
+    assert outcome.kind == kind
+    assert outcome.exit_code == returncode
+    assert words in outcome.message
+    assert Outcome.from_dict(outcome.to_dict()) == outcome
+
+
+@pytest.mark.parametrize(
+    ("breakdown", "dominant"),
+    [({}, None), ({"activations": 1}, "activations"), ({"parameters": 5, "activations": 4, "optimizer_state": 6}, "optimizer_state")],
+)
+def test_dominant_consumer(breakdown, dominant):
+    assert MemoryFigures(breakdown=breakdown).dominant_consumer() == dominant
+
+
+def test_outcome_from_dict_ignores_keys_it_does_not_know():
+    data = oom(breakdown={"activations": 3}).to_dict()
+    data["written_by_a_newer_runner"] = 1
+    data["memory"]["num_alloc_retries"] = 4
+    assert Outcome.from_dict(data) == oom(breakdown={"activations": 3})
