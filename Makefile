@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test test-fast bench install clean
+.PHONY: demo test install clean
 
 install: $(STAMP)
 
@@ -29,14 +29,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $(STAMP)
 
+# The quickstart job on an emulated device of 200 MiB that shrinks to 100 MiB at step 15 (as
+# if another process took the rest): the full batch (about 148 MiB) no longer fits there.
+DEMO_CAP ?= 200MiB,100MiB@15
 demo: $(STAMP)
-	$(BIN)/python -m oomguard.jobs.demo
+	rm -rf demo-workdir
+	$(BIN)/oomguard run jobs/examples/quickstart.toml --workdir demo-workdir --emulate-device-memory $(DEMO_CAP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
-
-bench: $(STAMP)
-	$(BIN)/python bench/ladder.py
 
 clean:
 	rm -rf $(VENV) demo-workdir .pytest_cache

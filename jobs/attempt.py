@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.jobs.spec import JobSpec
+from oomguard.strategies.outcome import Phase
 from oomguard.strategies.plan import Plan
 
 CONFIG = "attempt.json"
@@ -75,3 +76,11 @@ def read_json(path: Path) -> Any | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+@dataclass
+class Control:
+    """Shared between the training loop and the runner's SIGTERM handler."""
+
+    stop_requested: bool = False
+    phase: Phase = "setup"

@@ -15,22 +15,14 @@ from typing import Any
 import torch
 
 from oomguard.jobs import checkpoints
-from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, write_json_atomic
+from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, Control, write_json_atomic
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.sizes import CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
 from oomguard.strategies import ladder
-from oomguard.strategies.outcome import Outcome, Phase
+from oomguard.strategies.outcome import Outcome
 
 TRAINER_STATE = "trainer_state.json"
-
-
-@dataclass
-class Control:
-    """Shared between the loop and the runner's signal handler."""
-
-    stop_requested: bool = False
-    phase: Phase = "setup"
 
 
 @dataclass
@@ -72,6 +64,17 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
         }
 
     memory = DeviceMemory(schedule, device, groups)
+
+    def oom_outcome(error: torch.OutOfMemoryError) -> Outcome:
+        return Outcome(
+            kind="oom",
+            step=progress.step,
+            phase=control.phase,
+            memory=memory.oom_figures(str(error)),
+            message=str(error),
+            resumed_from=progress.resumed_from,
+        )
+
     metrics = (attempt_dir / METRICS).open("a")
     oom: Outcome | None = None
     try:
@@ -111,7 +114,8 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
             last_checkpoint_time = time.monotonic()
             while progress.step < job.train.max_steps:
                 if control.stop_requested:
-                    if progress.last_checkpoint != progress.step:
+                    # Nothing to keep before the first step: the next attempt starts over.
+                    if progress.last_checkpoint != progress.step and progress.step > 0:
                         save_checkpoint()
                     return Outcome(kind="interrupted", step=progress.step, message="stopped on request (SIGTERM) after a checkpoint", resumed_from=progress.resumed_from)
                 memory.begin_step(progress.step)
@@ -122,19 +126,12 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                 except torch.OutOfMemoryError as error:
                     # Keep only numbers and text: the traceback holds the step's tensors, and
                     # they must be freed before anything else is allocated.
-                    oom = Outcome(
-                        kind="oom",
-                        step=progress.step,
-                        phase=control.phase,
-                        memory=memory.oom_figures(str(error)),
-                        message=str(error),
-                        resumed_from=progress.resumed_from,
-                    )
+                    oom = oom_outcome(error)
                 if oom is not None:
                     optimizer.zero_grad(set_to_none=True)
                     # The state is consistent unless the OOM hit inside optimizer.step, where
                     # parameters may be half updated: then the last checkpoint stands.
-                    if oom.phase != "optimizer" and progress.last_checkpoint != progress.step:
+                    if oom.phase != "optimizer" and progress.last_checkpoint != progress.step and progress.step > 0:
                         save_checkpoint()
                     return oom
                 if not math.isfinite(loss):
@@ -154,6 +151,10 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                 _save_final(trainer, accelerator.unwrap_model(model), config.workdir / "final")
             print(f"finished: {progress.step} steps; final model in {config.workdir / 'final'}", flush=True)
             return Outcome(kind="finished", step=progress.step, resumed_from=progress.resumed_from)
+    except torch.OutOfMemoryError as error:
+        # Out of memory outside a training step: the model or a loaded checkpoint does not fit
+        # (phase "setup"). Still an OOM for the doctor, not a crash to retry unchanged.
+        return oom_outcome(error)
     finally:
         metrics.close()
 
@@ -177,6 +178,9 @@ def _one_step(trainer: Any, model: Any, optimizer: Any, lr_scheduler: Any, accel
         accelerator.backward(weighted)
         total += weighted.item()
         start += size
+    for parameter in trainer.zero_gradient_parameters(model):
+        if parameter.grad is not None:
+            parameter.grad.zero_()
     control.phase = "optimizer"
     optimizer.step()
     lr_scheduler.step()

@@ -14,7 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from oomguard.jobs.attempt import OUTCOME, AttemptConfig, write_json_atomic
+from oomguard.jobs.attempt import OUTCOME, AttemptConfig, Control, write_json_atomic
 from oomguard.strategies.outcome import (
     EXIT_CRASHED,
     EXIT_DIVERGED,
@@ -45,10 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as error:
         print(f"cannot read {attempt_dir / 'attempt.json'}: {error}", file=sys.stderr)
         return EXIT_USAGE
+    problem = _plan_problem(config)
+    if problem:
+        print(f"cannot run {attempt_dir / 'attempt.json'}: {problem}", file=sys.stderr)
+        return EXIT_USAGE
 
-    # Imported after the cheap checks: torch takes seconds to import.
-    from oomguard.jobs.loop import Control, train
-
+    # The handler goes in before the slow imports: a SIGTERM that arrives while torch loads
+    # must still end in a checkpoint and "interrupted", not in death by signal.
     control = Control()
 
     def request_stop(signum: int, frame: object) -> None:
@@ -56,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
+
+    # Imported after the cheap checks: torch takes seconds to import.
+    from oomguard.jobs.loop import train
+
     try:
         outcome = train(config, attempt_dir, control)
     except Exception as error:  # noqa: BLE001 - every failure must end in an outcome.json
@@ -67,6 +74,17 @@ def main(argv: list[str] | None = None) -> int:
     if outcome.kind == "oom":
         print(f"out of memory in {outcome.phase} at step {outcome.step}", flush=True)
     return code
+
+
+def _plan_problem(config: AttemptConfig) -> str | None:
+    """Why this runner cannot run the plan as written, if it cannot: a plan for another batch
+    size, or for several processes, would silently train on part of each batch."""
+    plan, batch_size = config.plan, config.job.train.batch_size
+    if plan.batch_size != batch_size:
+        return f"the plan splits a batch of {plan.batch_size}, but the job's train.batch_size is {batch_size}"
+    if plan.world_size != 1:
+        return f"the plan is for {plan.world_size} processes; the built-in runner is one process (world_size 1)"
+    return None
 
 
 if __name__ == "__main__":

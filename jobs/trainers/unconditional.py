@@ -46,6 +46,17 @@ class UnconditionalTrainer:
         torch.manual_seed(self.job.train.seed)
         return UNet2DModel(sample_size=self.job.data.resolution, **self.job.model.kwargs())
 
+    def zero_gradient_parameters(self, model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        """Parameters whose gradient is zero in exact arithmetic.
+
+        The key bias of softmax attention adds the same amount q.b to every score of a row,
+        which softmax ignores; its computed gradient is pure rounding noise, and Adam scales
+        noise up to full-size steps. Different micro-batch splits round differently, so left
+        alone these biases would drift apart (~lr per step). Zeroing their gradient is what
+        exact arithmetic gives, and makes every split train the same weights.
+        """
+        return [p for name, p in model.named_parameters() if name.endswith("to_k.bias")]
+
     def step_inputs(self, step: int) -> StepInputs:
         batch = self.job.train.batch_size
         images = self.images.load(self.order.indices(step, batch))

@@ -1,0 +1,394 @@
+"""The runner as the daemon starts it: ``python -m oomguard.jobs.run ATTEMPT_DIR`` in a real
+child process, training a tiny UNet for real on the CPU, with device memory emulated.
+
+Each runner process pays a few seconds for importing torch and diffusers, so the runs that
+several tests compare against (the uninterrupted full-batch run, the memory measurement and
+the micro-batch-3 run) are made once, side by side, in a module-scoped fixture. Runners use
+one thread each (tests/jobs_helpers.runner_env), which also keeps their float sums reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.jobs_helpers import (
+    RunResult,
+    assert_weights_allclose,
+    checkpoint_steps,
+    final_output,
+    load_final,
+    max_abs_difference,
+    read_metrics,
+    run_runner,
+    run_runners,
+    start_runner,
+    tiny_job,
+    wait_for_checkpoint,
+    write_attempt,
+)
+from oomguard.jobs import checkpoints
+from oomguard.jobs.attempt import HEARTBEAT, OUTCOME
+from oomguard.strategies.outcome import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_OOM, EXIT_USAGE, Outcome
+
+MAX_STEPS = 12
+EVERY = 2  # checkpoint_every_steps
+HUGE_CAP = "4GiB"  # counts bytes (metrics get peak_bytes) without ever refusing
+OOM_STEP = 5  # the cap drops here: after the checkpoints at steps 2 and 4, between two checkpoints
+
+JOB = tiny_job("runner-test", batch_size=8, max_steps=MAX_STEPS, checkpoint_every_steps=EVERY)
+
+
+def losses(metrics: list[dict]) -> list[float]:
+    return [m["loss"] for m in metrics]
+
+
+def assert_finished(result: RunResult, resumed_from: int | None = None) -> Outcome:
+    assert result.returncode == EXIT_FINISHED, result
+    outcome = result.outcome
+    assert outcome.kind == "finished", outcome
+    assert outcome.step == MAX_STEPS
+    assert outcome.exit_code == EXIT_FINISHED
+    assert outcome.resumed_from == resumed_from
+    return outcome
+
+
+# ----------------------------------------------------------------------------- shared runs
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    """The runs several tests compare against, made once and side by side:
+
+    baseline:      full batch, no cap, never interrupted (the reference)
+    measured_full: the same under a cap that never bites, so its metrics carry peak_bytes
+    micro_batch_3: micro_batch 3 of 8, an uneven split 3, 3, 2, under the same huge cap
+    """
+    root = tmp_path_factory.mktemp("shared")
+    setups = {
+        "baseline": {},
+        "measured_full": {"cap": HUGE_CAP},
+        "micro_batch_3": {"cap": HUGE_CAP, "micro_batch": 3},
+    }
+    dirs = [write_attempt(root / name / "attempt-1", JOB, root / name / "work", **kw) for name, kw in setups.items()]
+    results = run_runners(dirs)
+    return {name: (result, root / name / "work") for name, result in zip(setups, results)}
+
+
+@pytest.fixture(scope="module")
+def baseline(shared_runs):
+    return shared_runs["baseline"]
+
+
+@pytest.fixture(scope="module")
+def baseline_weights(baseline):
+    result, workdir = baseline
+    assert result.returncode == EXIT_FINISHED, result
+    return load_final(workdir)
+
+
+@pytest.fixture(scope="module")
+def measured_full(shared_runs):
+    result, workdir = shared_runs["measured_full"]
+    assert result.returncode == EXIT_FINISHED, result
+    return result, workdir
+
+
+@pytest.fixture(scope="module")
+def micro_batch_3(shared_runs):
+    result, workdir = shared_runs["micro_batch_3"]
+    assert result.returncode == EXIT_FINISHED, result
+    return result, workdir
+
+
+def steady_peak(result: RunResult) -> int:
+    """The step peak once the optimizer state exists (from the second step on)."""
+    peaks = [m["peak_bytes"] for m in result.metrics]
+    assert all(isinstance(p, int) and p > 0 for p in peaks), peaks
+    return max(peaks[1:])
+
+
+# ----------------------------------------------------------------------------- 1. finishing
+
+
+@pytest.mark.slow
+def test_uncapped_run_finishes_and_saves_a_loadable_model(baseline, baseline_weights):
+    from diffusers import UNet2DModel
+
+    result, workdir = baseline
+    assert_finished(result, resumed_from=None)
+    assert "no checkpoint: starting at step 0" in result.stdout
+    metrics = result.metrics
+    assert [m["step"] for m in metrics] == list(range(1, MAX_STEPS + 1))
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics)
+    assert all(m["peak_bytes"] is None and m["capacity_bytes"] is None for m in metrics)  # nothing emulated
+    assert json.loads((result.attempt_dir / HEARTBEAT).read_text())["step"] == MAX_STEPS
+    # Checkpoints every 2 steps (not at the end: the final model is there), the newest 2 kept.
+    assert checkpoint_steps(workdir) == [MAX_STEPS - 2 * EVERY, MAX_STEPS - EVERY]
+    model = UNet2DModel.from_pretrained(workdir / "final")
+    assert model.config.sample_size == 16
+    assert list(model.config.block_out_channels) == [8, 16]
+    assert metrics[-1]["loss"] < metrics[0]["loss"]  # it learned something
+
+
+@pytest.mark.slow
+def test_emulated_memory_counts_without_changing_the_training(baseline_weights, measured_full):
+    result, workdir = measured_full
+    assert all(m["capacity_bytes"] == 4 * 1024**3 for m in result.metrics)
+    # Counting tensors is all the emulation does: the same plan trains bit for bit the same.
+    weights = load_final(workdir)
+    assert all(torch.equal(weights[k], baseline_weights[k]) for k in weights)
+
+
+# ----------------------------------------------------------------------------- 2. determinism
+
+
+@pytest.mark.slow
+def test_micro_batches_train_the_same_as_the_full_batch(baseline, baseline_weights, measured_full, micro_batch_3):
+    result, workdir = micro_batch_3
+    assert_finished(result)
+    assert "plan mb=3x3" in result.stdout
+    assert losses(result.metrics) == pytest.approx(losses(baseline[0].metrics), rel=1e-5, abs=1e-6)
+
+    weights = load_final(workdir)
+    # Every weight, the attention key biases included (their gradient is zeroed: see
+    # UnconditionalTrainer.zero_gradient_parameters).
+    worst = assert_weights_allclose(weights, baseline_weights)
+    torch.testing.assert_close(final_output(workdir), final_output(baseline[1]), rtol=1e-5, atol=1e-6)
+    print(f"micro_batch 3 vs 8: max abs weight difference {worst:.3g}")
+
+    # Smaller slices need less memory: that is what the micro_batch rung is for.
+    assert steady_peak(result) < steady_peak(measured_full[0])
+
+
+# ----------------------------------------------------------------------------- 3. OOM and recovery
+
+
+@pytest.mark.slow
+def test_oom_after_a_checkpoint_then_half_the_micro_batch_finishes_the_same(
+    tmp_path, baseline, baseline_weights, measured_full, micro_batch_3
+):
+    full_peak = steady_peak(measured_full[0])
+    mb3_peak = steady_peak(micro_batch_3[0])
+    # peak ~ static + per_sample * micro_batch: estimate micro_batch 4's and cap between it and 8's.
+    per_sample = (full_peak - mb3_peak) / 5
+    mb4_estimate = mb3_peak + per_sample
+    cap = int((full_peak + mb4_estimate) / 2)
+    schedule = f"{HUGE_CAP},{cap}B@{OOM_STEP}"
+    print(f"steady peaks: mb=8 {full_peak} B, mb=3 {mb3_peak} B; cap {cap} B from step {OOM_STEP}")
+
+    workdir = tmp_path / "work"
+    first = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=schedule))
+    assert first.returncode == EXIT_OOM, first
+    oom = first.outcome
+    assert oom.kind == "oom" and oom.exit_code == EXIT_OOM
+    assert oom.phase in ("forward", "backward"), oom
+    assert oom.step == OOM_STEP
+    assert "CUDA out of memory. Tried to allocate" in oom.message
+    figures = oom.memory
+    assert figures is not None and figures.total == cap
+    assert figures.requested > 0 and figures.allocated > 0
+    assert figures.allocated + figures.requested > cap
+    assert figures.breakdown["parameters"] > 0 and figures.breakdown["optimizer_state"] > 0
+    assert figures.dominant_consumer() == "activations"
+    assert f"out of memory in {oom.phase} at step {OOM_STEP}" in first.stdout
+    # The steps before the drop ran and were measured.
+    assert [m["step"] for m in first.metrics] == list(range(1, OOM_STEP + 1))
+    # An emergency checkpoint at the step of the OOM (the state is consistent: no optimizer step ran).
+    emergency = checkpoints.verify(workdir / "checkpoints" / f"step-{OOM_STEP:06d}")
+    assert emergency.step == OOM_STEP and emergency.plan["micro_batch"] == 8
+    assert checkpoint_steps(workdir) == [OOM_STEP - 1, OOM_STEP]
+
+    second = run_runner(write_attempt(tmp_path / "attempt-2", JOB, workdir, micro_batch=4, number=2, cap=schedule))
+    assert_finished(second, resumed_from=OOM_STEP)
+    assert f"resumed from checkpoint at step {OOM_STEP}" in second.stdout
+    assert "plan mb=4x2" in second.stdout
+    assert [m["step"] for m in second.metrics] == list(range(OOM_STEP + 1, MAX_STEPS + 1))
+    assert all(m["peak_bytes"] < cap and m["capacity_bytes"] == cap for m in second.metrics)
+    print(f"mb=4 after resume: steady peak {max(m['peak_bytes'] for m in second.metrics)} B")
+
+    # Together the two attempts trained exactly what the uninterrupted full batch trained.
+    assert losses(first.metrics + second.metrics) == pytest.approx(losses(baseline[0].metrics), rel=1e-5, abs=1e-6)
+    weights = load_final(workdir)
+    worst = assert_weights_allclose(weights, baseline_weights)
+    print(f"OOM + resume with micro_batch 4 vs uninterrupted: max abs weight difference {worst:.3g}")
+    torch.testing.assert_close(final_output(workdir), final_output(baseline[1]), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- 4./5. signals
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_checkpoint_resumes_from_it_exactly(tmp_path, baseline_weights):
+    workdir = tmp_path / "work"
+    # The huge cap only slows the steps a little, for a wider window between checkpoint and end.
+    killed_dir = write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=HUGE_CAP)
+    process = start_runner(killed_dir)
+    try:
+        first_checkpoint = wait_for_checkpoint(workdir, process)
+        os.kill(process.pid, signal.SIGKILL)
+        assert process.wait(timeout=30) == -signal.SIGKILL
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert first_checkpoint >= EVERY
+    assert not (workdir / "final").exists(), "the kill landed after the end: nothing was tested"
+    assert not (killed_dir / OUTCOME).exists()  # killed hard: the daemon goes by the exit status
+
+    result = run_runner(write_attempt(tmp_path / "attempt-2", JOB, workdir, number=2))
+    resumed_from = result.outcome.resumed_from
+    assert resumed_from is not None and resumed_from >= first_checkpoint, result
+    assert_finished(result, resumed_from=resumed_from)
+    assert f"resumed from checkpoint at step {resumed_from}" in result.stdout
+    assert [m["step"] for m in result.metrics] == list(range(resumed_from + 1, MAX_STEPS + 1))
+    # The same plan resumed: no splitting, so every weight matches, key biases included.
+    worst = assert_weights_allclose(load_final(workdir), baseline_weights)
+    print(f"SIGKILL at step >= {first_checkpoint}, resumed from {resumed_from}: max abs weight difference {worst:.3g}")
+    assert not list((workdir / "checkpoints").glob(".tmp-*"))  # a half-written checkpoint is cleaned up
+
+
+@pytest.mark.slow
+def test_sigterm_stops_after_a_checkpoint_at_the_current_step(tmp_path):
+    workdir = tmp_path / "work"
+    attempt_dir = write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=HUGE_CAP)
+    process = start_runner(attempt_dir)
+    try:
+        wait_for_checkpoint(workdir, process)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    log = (attempt_dir / "output.log").read_text()
+    assert returncode == EXIT_INTERRUPTED, log
+    outcome = Outcome.from_dict(json.loads((attempt_dir / OUTCOME).read_text()))
+    assert outcome.kind == "interrupted" and outcome.exit_code == EXIT_INTERRUPTED
+    stopped = outcome.step
+    assert EVERY <= stopped < MAX_STEPS, outcome
+    assert checkpoints.verify(workdir / "checkpoints" / f"step-{stopped:06d}").step == stopped
+    assert max(checkpoint_steps(workdir)) == stopped
+    assert read_metrics(attempt_dir)[-1]["step"] == stopped
+    assert not (workdir / "final").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_while_torch_loads_still_ends_interrupted(tmp_path):
+    """The handler is in place from the runner's first line of output, before the slow imports."""
+    workdir = tmp_path / "work"
+    attempt_dir = write_attempt(tmp_path / "attempt-1", JOB, workdir)
+    process = start_runner(attempt_dir)
+    log = attempt_dir / "output.log"
+    try:
+        deadline = time.monotonic() + 60
+        while "attempt 1 of job" not in log.read_text() and time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()
+            time.sleep(0.003)
+        process.send_signal(signal.SIGTERM)
+        returncode = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert returncode == EXIT_INTERRUPTED, log.read_text()
+    outcome = Outcome.from_dict(json.loads((attempt_dir / OUTCOME).read_text()))
+    assert outcome.kind == "interrupted" and outcome.step == 0, outcome
+    assert read_metrics(attempt_dir) == []
+
+
+# ----------------------------------------------------------------------------- OOM in setup
+
+
+@pytest.mark.slow
+def test_a_model_that_does_not_fit_is_an_oom_in_setup_not_a_crash(tmp_path):
+    result = run_runner(write_attempt(tmp_path / "attempt-1", JOB, tmp_path / "work", cap="64KiB"))
+    assert result.returncode == EXIT_OOM, result
+    outcome = result.outcome
+    assert outcome.kind == "oom" and outcome.phase == "setup" and outcome.step == 0, outcome
+    assert outcome.memory is not None and outcome.memory.total == 64 * 1024
+    assert outcome.memory.requested > 0
+    assert "out of memory in setup at step 0" in result.stdout
+
+
+# ----------------------------------------------------------------------------- 6. damage
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, baseline, baseline_weights):
+    workdir = tmp_path / "work"
+    shutil.copytree(baseline[1] / "checkpoints", workdir / "checkpoints")
+    previous, newest = checkpoint_steps(workdir)
+    damaged = workdir / "checkpoints" / f"step-{newest:06d}" / "model.safetensors"
+    with damaged.open("r+b") as f:
+        f.truncate(damaged.stat().st_size // 2)
+
+    result = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir))
+    assert_finished(result, resumed_from=previous)
+    assert f"skipping damaged checkpoint: {damaged.parent}" in result.stdout
+    assert "model.safetensors" in result.stdout
+    assert f"resumed from checkpoint at step {previous}" in result.stdout
+    worst = assert_weights_allclose(load_final(workdir), baseline_weights)
+    print(f"resumed from step {previous} past a damaged step {newest}: max abs weight difference {worst:.3g}")
+
+
+# ----------------------------------------------------------------------------- 7. bad input
+
+
+def _missing(tmp_path):
+    return tmp_path / "no-such-attempt"
+
+
+def _garbage(tmp_path):
+    (tmp_path / "attempt.json").write_text("{not json")
+    return tmp_path
+
+
+def _invalid_job(tmp_path):
+    write_attempt(tmp_path, JOB, tmp_path / "work")
+    data = json.loads((tmp_path / "attempt.json").read_text())
+    data["job"]["train"]["batch_size"] = 0
+    (tmp_path / "attempt.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def _no_plan(tmp_path):
+    write_attempt(tmp_path, JOB, tmp_path / "work")
+    data = json.loads((tmp_path / "attempt.json").read_text())
+    del data["plan"]
+    (tmp_path / "attempt.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def _plan_for_another_batch(tmp_path):
+    write_attempt(tmp_path, JOB, tmp_path / "work")
+    data = json.loads((tmp_path / "attempt.json").read_text())
+    data["plan"].update(batch_size=4, micro_batch=4)  # would train on half of each batch of 8
+    (tmp_path / "attempt.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+@pytest.mark.parametrize("make", [_missing, _garbage, _invalid_job, _no_plan, _plan_for_another_batch], ids=lambda f: f.__name__.strip("_"))
+def test_a_bad_attempt_dir_exits_2_without_training(tmp_path, make):
+    attempt_dir = make(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == EXIT_USAGE, done.stderr
+    assert "attempt.json" in done.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_no_arguments_exits_2_with_usage():
+    done = subprocess.run([sys.executable, "-m", "oomguard.jobs.run"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_USAGE
+    assert "usage:" in done.stderr
+
