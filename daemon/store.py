@@ -99,16 +99,29 @@ class Store:
         self.db.close()
 
     def _migrate(self) -> None:
-        with self.db.atomic():
-            version = self.db.execute("PRAGMA user_version").fetchone()[0]
+        if self._schema_version() == len(MIGRATIONS):
+            return
+        # BEGIN IMMEDIATE takes the write lock first (waiting up to the busy timeout): a
+        # deferred transaction that read the version and then wrote could not be upgraded
+        # while the daemon writes, and would fail at once with "database is locked".
+        self.db.conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = self._schema_version()
             if version > len(MIGRATIONS):
                 raise RuntimeError(
-                    f"the database {self.db.conn} has schema version {version}, newer than this oomguard "
-                    f"knows ({len(MIGRATIONS)}); upgrade oomguard"
+                    f"the database has schema version {version}, newer than this oomguard knows "
+                    f"({len(MIGRATIONS)}); upgrade oomguard"
                 )
             for migration in MIGRATIONS[version:]:
                 migration(self.db)
-            self.db.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
+            self.db.conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
+        except BaseException:
+            self.db.conn.rollback()
+            raise
+        self.db.conn.commit()
+
+    def _schema_version(self) -> int:
+        return int(self.db.execute("PRAGMA user_version").fetchone()[0])
 
     @contextmanager
     def atomic(self) -> Iterator[None]:
