@@ -22,7 +22,7 @@ from typing import Any
 from oomguard.daemon.paths import StateDir, default_state_dir
 from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
 from oomguard.jobs.attempt import HEARTBEAT, LOG, read_json
-from oomguard.jobs.sizes import CapSchedule
+from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.spec import JobFileError, load_job_file
 
 EXIT_OK = 0
@@ -305,7 +305,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     daemon = commands.add_parser("daemon", help="run the supervisor in the foreground")
     daemon.add_argument("--max-parallel", type=int, default=1, help="attempts running at once (default 1)")
-    daemon.add_argument("--emulate-device-memory", metavar="SIZE", help="emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15 (see README)")
+    daemon.add_argument(
+        "--emulate-device-memory", metavar="SIZE", default=os.environ.get(EMULATE_DEVICE_MEMORY_ENV),
+        help=f"emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15 (default: ${EMULATE_DEVICE_MEMORY_ENV})",
+    )
     daemon.add_argument("--poll-interval", type=float, default=0.5, help=argparse.SUPPRESS)
     daemon.set_defaults(handler=cmd_daemon)
 
@@ -333,7 +336,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run one job in the foreground (no daemon needed)")
     run.add_argument("file")
     run.add_argument("--workdir", required=True, help="where checkpoints, attempts and the final model go")
-    run.add_argument("--emulate-device-memory", metavar="SIZE", help="emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15")
+    run.add_argument(
+        "--emulate-device-memory", metavar="SIZE", default=os.environ.get(EMULATE_DEVICE_MEMORY_ENV),
+        help=f"emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15 (default: ${EMULATE_DEVICE_MEMORY_ENV})",
+    )
     run.add_argument("--json", action="store_true", help="print only the final job record as JSON")
     run.set_defaults(handler=cmd_run)
     return parser

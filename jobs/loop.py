@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ import torch
 from oomguard.jobs import checkpoints
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, Control, write_json_atomic
 from oomguard.jobs.memory_cap import DeviceMemory
-from oomguard.jobs.sizes import CapSchedule
+from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
 from oomguard.strategies import ladder
 from oomguard.strategies.outcome import Outcome
@@ -48,7 +49,9 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
 
     job, plan = config.job, config.plan
     device = pick_device()
-    schedule = CapSchedule.parse(config.emulate_device_memory) if config.emulate_device_memory else None
+    # The attempt's own setting first; the variable also covers a runner started by hand.
+    cap_text = config.emulate_device_memory or os.environ.get(EMULATE_DEVICE_MEMORY_ENV)
+    schedule = CapSchedule.parse(cap_text) if cap_text else None
     trainer = make_trainer(job)
     progress = Progress()
     model: torch.nn.Module | None = None

@@ -170,3 +170,8 @@ class CapSchedule:
             _canonical_size(nbytes) + ("" if step == 0 and i == 0 else f"@{step}")
             for i, (step, nbytes) in enumerate(self.entries)
         )
+
+
+# The environment variable that sets the emulated device capacity (a CapSchedule text) for
+# the daemon, `oomguard run` and the runner, like their --emulate-device-memory option.
+EMULATE_DEVICE_MEMORY_ENV = "OOMGUARD_EMULATE_DEVICE_MEMORY"

@@ -41,3 +41,9 @@ def test_submit_without_a_daemon_leaves_the_job_in_the_spool(tmp_path: Path) -> 
     result = oomguard("submit", str(tiny_job(tmp_path)), "--wait", "0", state_dir=tmp_path / "state")
     assert result.returncode == 0 and "the daemon queues it when it runs" in result.stdout
     assert len(list((tmp_path / "state" / "spool" / "inbox").glob("*.toml"))) == 1
+
+
+def test_the_environment_variable_sets_the_emulated_cap(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("OOMGUARD_EMULATE_DEVICE_MEMORY", "12 parsecs")
+    result = oomguard("run", str(tiny_job(tmp_path)), "--workdir", str(tmp_path / "w"))
+    assert result.returncode == 2 and "not a memory size: '12 parsecs'" in result.stderr
