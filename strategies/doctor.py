@@ -16,6 +16,11 @@ from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan
 
 
+# Rungs that shrink activations: no help when the OOM came before any activation existed
+# (building the model or loading its checkpoint).
+ACTIVATION_RUNGS = ("micro_batch", "checkpointing", "attention")
+
+
 @dataclass(frozen=True)
 class Policy:
     """What the job allows: which rungs, and how many tries."""
@@ -61,6 +66,8 @@ Decision = NextPlan | Retry | GiveUp
 def format_bytes(n: int | None) -> str:
     if n is None:
         return "?"
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
     return f"{n / 2**20:.1f} MiB"
 
 
@@ -84,7 +91,7 @@ def describe_oom(outcome: Outcome) -> str:
         )
         consumer = memory.dominant_consumer()
         if consumer:
-            text += f"; {consumer} dominate ({format_bytes(memory.breakdown[consumer])})"
+            text += f"; largest consumer: {consumer} ({format_bytes(memory.breakdown[consumer])})"
     return text
 
 
@@ -140,7 +147,11 @@ def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], pol
             f"; {format_bytes(outcome.memory.reserved_unallocated)} reserved but unallocated"  # type: ignore[union-attr]
             " is at least the request: fragmentation"
         )
-    candidates += [r.name for r in ladder.ORDER if r.name != "allocator"]
+    rungs = [r.name for r in ladder.ORDER if r.name != "allocator"]
+    if outcome.phase == "setup":
+        diagnosis += "; the model and its state do not fit before training starts"
+        rungs = [name for name in rungs if name not in ACTIVATION_RUNGS]
+    candidates += rungs
     for name in candidates:
         if name not in policy.allow:
             continue

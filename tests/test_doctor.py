@@ -100,11 +100,11 @@ def test_is_fragmentation(memory, expected):
         (
             oom(step=3, phase="optimizer", breakdown={"parameters": 100 * MiB, "optimizer_state": 200 * MiB, "activations": 50 * MiB}),
             "out of memory in optimizer at step 3: tried to allocate 64.0 MiB with 900.0 MiB of 1024.0 MiB in use;"
-            " optimizer_state dominate (200.0 MiB)",
+            " largest consumer: optimizer_state (200.0 MiB)",
         ),
         (
             Outcome(kind="oom", step=1, phase="data", memory=MemoryFigures(breakdown={"activations": 3 * MiB // 2})),
-            "out of memory in data at step 1: tried to allocate ? with ? of ? in use; activations dominate (1.5 MiB)",
+            "out of memory in data at step 1: tried to allocate ? with ? of ? in use; largest consumer: activations (1.5 MiB)",
         ),
     ],
 )
@@ -114,7 +114,7 @@ def test_describe_oom(outcome, expected):
     assert "  " not in text
 
 
-@pytest.mark.parametrize(("n", "expected"), [(None, "?"), (0, "0.0 MiB"), (MiB, "1.0 MiB"), (1536 * 1024, "1.5 MiB"), (4096 * MiB, "4096.0 MiB")])
+@pytest.mark.parametrize(("n", "expected"), [(None, "?"), (0, "0.0 KiB"), (96 * 1024, "96.0 KiB"), (MiB, "1.0 MiB"), (1536 * 1024, "1.5 MiB"), (4096 * MiB, "4096.0 MiB")])
 def test_format_bytes(n, expected):
     assert format_bytes(n) == expected
 
@@ -175,7 +175,7 @@ def test_plain_oom_takes_the_cheapest_allowed_rung(plan, allow, rung, expected):
     assert isinstance(decision, NextPlan)
     assert (decision.rung, decision.plan) == (rung, expected)
     assert decision.reason.startswith(describe_oom(outcome) + " -> ")
-    assert "activations dominate" in decision.reason
+    assert "largest consumer: activations" in decision.reason
 
 
 def test_the_whole_ladder_then_give_up_with_a_report():
@@ -480,3 +480,17 @@ def test_outcome_from_dict_ignores_keys_it_does_not_know():
     data["written_by_a_newer_runner"] = 1
     data["memory"]["num_alloc_retries"] = 4
     assert Outcome.from_dict(data) == oom(breakdown={"activations": 3})
+
+
+def test_an_oom_before_training_does_not_shrink_activations():
+    """The model itself did not fit: smaller micro-batches or checkpointing cannot help."""
+    outcome = oom(step=0, phase="setup")
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
+    assert isinstance(decision, GiveUp)
+    assert "do not fit before training starts" in decision.reason
+
+
+def test_a_fragmented_oom_in_setup_still_takes_the_allocator():
+    outcome = fragmented(step=0, phase="setup")
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
+    assert isinstance(decision, NextPlan) and decision.rung == "allocator"
