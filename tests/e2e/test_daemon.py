@@ -76,3 +76,21 @@ def test_cancel_checkpoints_and_stops_the_job(tmp_path: Path, daemon_factory) ->
     assert again.returncode == 1 and "already ended" in again.stderr
     missing = oomguard("show", "nope", state_dir=daemon.state_dir)
     assert missing.returncode == 3 and "no job 'nope'" in missing.stderr
+
+
+def test_a_killed_daemon_adopts_the_attempt_it_left_running(tmp_path: Path, daemon_factory) -> None:
+    state_dir = tmp_path / "state"
+    daemon = daemon_factory(state_dir=state_dir)
+    oomguard("submit", str(tiny_job(tmp_path, max_steps=60)), state_dir=state_dir, check=True)
+    wait_for(lambda: (daemon.show("1").get("heartbeat") or {}).get("step", 0) >= 2, 90, "training to start")
+
+    daemon.process.kill()  # SIGKILL: no chance to stop the runner, which has its own session
+    daemon.process.wait()
+    restarted = daemon_factory(state_dir=state_dir)
+    record = restarted.wait_job("1")
+
+    assert record["state"] == "finished"
+    # The same attempt carried on: nothing was run twice.
+    assert len(record["attempts"]) == 1
+    assert record["attempts"][0]["outcome"]["kind"] == "finished"
+    assert record["attempts"][0]["outcome"]["resumed_from"] is None
