@@ -14,33 +14,17 @@ from typing import Any
 
 import pytest
 
-TINY_JOB = """\
-name = "{name}"
-trainer = "unconditional"
-[data]
-source = "synthetic:16"
-resolution = 16
-[model]
-block_out_channels = [8, 16]
-layers_per_block = 1
-down_block_types = ["DownBlock2D", "AttnDownBlock2D"]
-up_block_types = ["AttnUpBlock2D", "UpBlock2D"]
-norm_num_groups = 4
-[train]
-batch_size = 8
-max_steps = {max_steps}
-learning_rate = 1e-3
-checkpoint_every_steps = 4
-"""
-# Emulated peaks of TINY_JOB (measured): micro-batch 8 about 5.0 MiB, 4 about 2.9 MiB. This
+from tests.jobs_helpers import TINY_JOB
+
+# Emulated peaks of TINY_JOB (measured): micro-batch 8 about 4.1 MiB, 4 about 2.5 MiB. This
 # cap lets the full batch run until step 5, then only micro-batch 4 fits: the first OOM comes
 # after the first checkpoint (step 4).
-TINY_CAP = "64MiB,4MiB@5"
+TINY_CAP = "64MiB,3500KiB@5"
 
 
 def tiny_job(folder: Path, name: str = "tiny", max_steps: int = 12) -> Path:
     path = folder / f"{name}.toml"
-    path.write_text(TINY_JOB.format(name=name, max_steps=max_steps))
+    path.write_text(TINY_JOB.format(name=name, batch_size=8, max_steps=max_steps, checkpoint_every_steps=4, keep_checkpoints=2))
     return path
 
 
