@@ -80,7 +80,10 @@ class Outcome:
     def from_exit_status(cls, returncode: int) -> Outcome:
         """For a runner that ended without writing outcome.json (killed, or died hard)."""
         if returncode < 0:
-            name = signal.Signals(-returncode).name if -returncode in signal.Signals._value2member_map_ else str(-returncode)
+            try:
+                name = signal.Signals(-returncode).name
+            except ValueError:
+                name = str(-returncode)
             return cls(kind="crashed", message=f"the runner was killed by {name} before it could report", exit_code=returncode)
         kind = KIND_BY_EXIT_CODE.get(returncode, "crashed")
         return cls(kind=kind, message=f"the runner exited with code {returncode} without writing outcome.json", exit_code=returncode)

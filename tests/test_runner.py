@@ -26,7 +26,6 @@ from tests.jobs_helpers import (
     checkpoint_steps,
     final_output,
     load_final,
-    max_abs_difference,
     read_metrics,
     run_runner,
     run_runners,
