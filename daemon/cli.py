@@ -194,6 +194,73 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# What oomguard does about each verdict of `diagnose`.
+DIAGNOSE_ACTIONS = {
+    "oom_fragmentation": "takes the allocator rung (expandable_segments:True, in a fresh process), so that PyTorch can use "
+    "the reserved memory it holds in pieces; then the rest of the ladder if that is not enough",
+    "oom_other_process": "should wait for the other processes' memory to come back and retry the same plan rather than "
+    "shrink the job for a neighbour; this version's doctor cannot tell a neighbour yet and takes the ladder as for any OOM",
+    "oom": "takes the cheapest allowed rung of the ladder that fits (micro-batch, checkpointing, ...) and resumes from the "
+    "last checkpoint",
+    "host_oom": "nothing on the ladder: host RAM ran out, not the GPU; it retries the attempt as a crash (fewer data-loader "
+    "workers or less host-side caching, or more RAM, is the fix)",
+    "not_oom": "nothing on the ladder: this is not an out-of-memory error; it retries the same plan (ladder.crash_retries) "
+    "and then gives up with a report",
+}
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from oomguard.strategies.oom_text import describe_size, read_oom, read_oom_log
+
+    if args.logfile == "-":
+        verdict = read_oom(sys.stdin.read())
+    else:
+        path = Path(args.logfile)
+        if path.is_dir():
+            raise CliError(f"{path}: is a directory; give the log file itself, e.g. {path / 'attempts' / '001' / LOG}")
+        try:
+            verdict = read_oom_log(path)
+        except FileNotFoundError:
+            raise CliError(f"{path}: no such file; give the path of a training log, or - to read standard input") from None
+        except OSError as error:
+            raise CliError(f"{path}: cannot read it ({error.strerror}); check its permissions") from None
+    if args.json:
+        print(json.dumps(verdict.to_dict(), indent=2))
+        return EXIT_OK
+    words = {
+        "oom": "out of device memory",
+        "oom_fragmentation": "out of device memory: fragmentation",
+        "oom_other_process": "out of device memory: other processes hold it",
+        "host_oom": "out of host memory (RAM)",
+        "not_oom": "not an out-of-memory error",
+    }
+    where = ""
+    if verdict.is_device_oom and verdict.device:
+        where = f" ({verdict.device}" + (f":{verdict.gpu_index})" if verdict.gpu_index is not None else ")")
+    print(f"verdict: {words[verdict.kind]}{where}")
+    print(f"why: {verdict.reason}")
+    sizes = [
+        ("requested", verdict.requested),
+        ("device total", verdict.total),
+        ("free on the device", verdict.free),
+        ("allowed (per-process limit)", verdict.allowed),
+        ("allocated by PyTorch", verdict.allocated),
+        ("  of which in private pools", verdict.private_pools),
+        ("reserved but unallocated", verdict.reserved_unallocated),
+        ("this process in use", verdict.process_in_use),
+        *((f"process {pid} in use", used) for pid, used in verdict.other_processes.items()),
+    ]
+    known = [(label, n) for label, n in sizes if n is not None]
+    if known:
+        print("sizes:")
+        for label, n in known:
+            print(f"  {label:<30} {describe_size(n):>12}")
+    if verdict.message:
+        print(f"error: {verdict.message}")
+    print(f"oomguard: {DIAGNOSE_ACTIONS[verdict.kind]}")
+    return EXIT_OK
+
+
 class _Lock:
     """One daemon per state directory: an flock on STATE/daemon.lock."""
 
@@ -332,6 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
     cancel = commands.add_parser("cancel", help="checkpoint and stop a job")
     cancel.add_argument("job", help="job id or name")
     cancel.set_defaults(handler=cmd_cancel)
+
+    diagnose = commands.add_parser("diagnose", help="read a training log: did it run out of memory, which memory, and why")
+    diagnose.add_argument("logfile", metavar="LOGFILE", help="a log file (its last error decides), or - for standard input")
+    diagnose.add_argument("--json", action="store_true", help="print the verdict as a JSON object")
+    diagnose.set_defaults(handler=cmd_diagnose)
 
     run = commands.add_parser("run", help="run one job in the foreground (no daemon needed)")
     run.add_argument("file")

@@ -7,6 +7,7 @@ earlier one stopped.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -25,12 +26,16 @@ from oomguard.jobs import checkpoints
 from oomguard.jobs.attempt import LOG, OUTCOME, AttemptConfig, read_json
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
-from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Policy, Retry, decide
+from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, decide
+from oomguard.strategies.oom_text import read_oom_log
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 
 # A runner asked to stop (SIGTERM) checkpoints first; after this long it is killed.
 STOP_GRACE_SECONDS = 120.0
+
+# How much of a silent runner's output.log is read for the error it died of.
+OUTPUT_TAIL_BYTES = 256 * 1024
 
 
 @dataclass
@@ -48,6 +53,30 @@ def _process_alive(pid: int, attempt_dir: str) -> bool:
     except OSError:
         return False
     return attempt_dir.encode() in cmdline
+
+
+def outcome_without_report(attempt_dir: Path, returncode: int | None) -> Outcome:
+    """How an attempt ended whose runner wrote no outcome.json (killed, died hard, or a user
+    command that does not report): an OOM its output shows (a CUDA OOM it printed, the kernel's
+    OOM killer), else what the exit status says. ``returncode`` is None when no daemon watched."""
+    if returncode is None:
+        fallback = Outcome(kind="crashed", message="the runner ended while no daemon was watching, without reporting")
+    else:
+        fallback = Outcome.from_exit_status(returncode)
+    try:
+        verdict = read_oom_log(attempt_dir / LOG, max_bytes=OUTPUT_TAIL_BYTES)
+    except OSError:
+        return fallback
+    if verdict.is_device_oom:
+        return Outcome(kind="oom", memory=verdict.memory_figures(), message=verdict.message, exit_code=fallback.exit_code)
+    if verdict.kind == "host_oom":
+        return Outcome(kind="host_oom", message=verdict.reason, traceback_tail=verdict.message, exit_code=fallback.exit_code)
+    return dataclasses.replace(fallback, traceback_tail=verdict.message)
+
+
+def _past_attempt(attempt: dict[str, Any]) -> PastAttempt:
+    outcome = Outcome.from_dict(json.loads(attempt["outcome"]))
+    return PastAttempt(plan=outcome.plan or Plan.from_dict(json.loads(attempt["plan"])), outcome=outcome)
 
 
 class Supervisor:
@@ -140,7 +169,15 @@ class Supervisor:
         number = len(self.store.attempts(job["id"])) + 1
         workdir = Path(job["workdir"])
         attempt_dir = workdir / "attempts" / f"{number:03d}"
-        config = AttemptConfig(job=spec, plan=plan, number=number, workdir=workdir, emulate_device_memory=job["emulate_device_memory"])
+        config = AttemptConfig(
+            job=spec,
+            plan=plan,
+            number=number,
+            workdir=workdir,
+            emulate_device_memory=job["emulate_device_memory"],
+            # Only the job's first attempt measures: later ones have the history.
+            probe=spec.ladder.probe and number == 1,
+        )
         config.write(attempt_dir)
         newest = checkpoints.latest_valid(workdir / "checkpoints", warn=lambda text: self.event(job, "checkpoint", text))
         env = ladder.process_environment(plan, os.environ)
@@ -212,10 +249,8 @@ class Supervisor:
         data = read_json(Path(attempt["directory"]) / OUTCOME)
         if data is not None:
             outcome = Outcome.from_dict(data)
-        elif returncode is not None:
-            outcome = Outcome.from_exit_status(returncode)
         else:
-            outcome = Outcome(kind="crashed", message="the runner ended while no daemon was watching, without reporting")
+            outcome = outcome_without_report(Path(attempt["directory"]), returncode)
         with self.store.atomic():
             self.store.update_attempt(
                 attempt["id"],
@@ -227,8 +262,9 @@ class Supervisor:
             )
         resumed = f"resumed from step {outcome.resumed_from}" if outcome.resumed_from is not None else "started at step 0"
         summary = f"attempt {attempt['number']} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
-        if outcome.kind == "oom":
+        if outcome.kind == "oom" and outcome.phase:
             summary += f" in {outcome.phase}"
+        self._record_recoveries(job, outcome)
         self.event(job, "attempt-ended", summary)
         self._next_step(job, outcome)
 
@@ -244,14 +280,13 @@ class Supervisor:
             self.event(job, "requeued", f"stopped with the daemon at step {outcome.step}; it resumes when the daemon starts again")
             return
         spec = JobSpec.from_dict(json.loads(job["spec"]))
-        plan = Plan.from_dict(json.loads(job["plan"]))
-        history = [
-            PastAttempt(plan=Plan.from_dict(json.loads(a["plan"])), outcome=Outcome.from_dict(json.loads(a["outcome"])))
-            for a in self.store.attempts(job["id"])
-            if a["outcome"]
-        ]
-        policy = Policy(allow=spec.ladder.allow, max_attempts=spec.ladder.max_attempts, crash_retries=spec.ladder.crash_retries)
-        decision = decide(outcome, plan, history, policy)
+        # The plan the attempt ended under: its probe or an in-process recovery may have
+        # moved it from the one it started with.
+        plan = outcome.plan or Plan.from_dict(json.loads(job["plan"]))
+        history = [_past_attempt(a) for a in self.store.attempts(job["id"]) if a["outcome"]]
+        decision = decide(outcome, plan, history, spec.policy())
+        if isinstance(decision, Retry) and outcome.plan is not None:
+            self.store.update_job(job["id"], plan=json.dumps(outcome.plan.to_dict()))
         if isinstance(decision, NextPlan):
             self.store.update_job(
                 job["id"], state="queued", plan=json.dumps(decision.plan.to_dict()), next_rung=decision.rung, next_reason=decision.reason
@@ -262,6 +297,12 @@ class Supervisor:
             self.event(job, "retry", decision.reason)
         elif isinstance(decision, GiveUp):
             self._end_job(job, "failed", decision.reason, report=decision.report)
+
+    def _record_recoveries(self, job: dict[str, Any], outcome: Outcome) -> None:
+        """Rungs the runner took itself (probe, in-process) are events like the daemon's."""
+        for recovery in outcome.recoveries:
+            old, new = Plan.from_dict(recovery["from"]), Plan.from_dict(recovery["to"])
+            self.event(job, "escalated", f"at step {recovery['step']}, in the runner: [{old.short()}] -> [{new.short()}]: {recovery['reason']}")
 
     def _end_job(self, job: dict[str, Any], state: str, result: str, report: str | None = None) -> None:
         self.store.update_job(job["id"], state=state, ended_at=time.time(), result=result, report=report)

@@ -35,6 +35,11 @@ class AttemptConfig:
     workdir: Path
     # A CapSchedule's text (e.g. "48MiB" or "64MiB,40MiB@15"), or None for the real device.
     emulate_device_memory: str | None = None
+    # Measure before training (the job's first attempt, when its ladder.probe is on).
+    probe: bool = False
+    # Take the rungs that need no restart inside the process after an OOM in forward or
+    # backward. Off only for benchmarks that time one fixed plan.
+    recover_in_process: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +48,8 @@ class AttemptConfig:
             "number": self.number,
             "workdir": str(self.workdir),
             "emulate_device_memory": self.emulate_device_memory,
+            "probe": self.probe,
+            "recover_in_process": self.recover_in_process,
         }
 
     @classmethod
@@ -53,6 +60,8 @@ class AttemptConfig:
             number=int(data["number"]),
             workdir=Path(data["workdir"]),
             emulate_device_memory=data.get("emulate_device_memory"),
+            probe=bool(data.get("probe", False)),
+            recover_in_process=bool(data.get("recover_in_process", True)),
         )
 
     def write(self, attempt_dir: Path) -> None:

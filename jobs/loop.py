@@ -1,13 +1,16 @@
 """The training loop every built-in trainer runs under: resume, train under the attempt's Plan,
-checkpoint, report, and turn each way of ending into an Outcome.
+recover from an OOM in forward or backward inside the process, checkpoint, report, and turn
+each way of ending into an Outcome.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import shutil
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,15 +18,21 @@ from typing import Any
 
 import torch
 
-from oomguard.jobs import checkpoints
+from oomguard.jobs import checkpoints, train_state
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, Control, write_json_atomic
 from oomguard.jobs.memory_cap import DeviceMemory
+from oomguard.jobs.probe import run_probe
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
-from oomguard.strategies import ladder
+from oomguard.jobs.training import Training, build_training, free, one_step
+from oomguard.strategies.doctor import decide_in_process
+from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.plan import Plan
 
-TRAINER_STATE = "trainer_state.json"
+# In-process rung changes per attempt, at most (each one excludes a plan, so the ladder ends
+# well before; this bounds it regardless).
+MAX_RECOVERIES = 32
 
 
 @dataclass
@@ -34,114 +43,153 @@ class Progress:
     last_heartbeat: float = field(default=0.0)
 
 
-def pick_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+@dataclass
+class PlanRecord:
+    """Steady-state steps of one plan in this process (the first step after building an
+    optimizer is not steady: its state appears only in that step)."""
 
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+    peaks: list[int] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+    capacity: int | None = None
+    static: dict[str, int] = field(default_factory=dict)
 
 
 def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome:
     """Run the attempt to its end and say how it ended (an OOM is an Outcome, not an exception)."""
-    from accelerate import Accelerator
-    from diffusers.optimization import get_scheduler
-
-    job, plan = config.job, config.plan
-    device = pick_device()
+    job = config.job
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     # The attempt's own setting first; the variable also covers a runner started by hand.
     cap_text = config.emulate_device_memory or os.environ.get(EMULATE_DEVICE_MEMORY_ENV)
     schedule = CapSchedule.parse(cap_text) if cap_text else None
     trainer = make_trainer(job)
     progress = Progress()
-    model: torch.nn.Module | None = None
-    optimizer: Any = None
+    training: Training | None = None
+    plan = config.plan
+    measurements: list[Measurement] = []
+    records: dict[Plan, PlanRecord] = {}
+    recoveries: list[dict[str, Any]] = []
+    say = lambda text: print(text, flush=True)  # noqa: E731
 
-    def groups() -> dict[str, list[torch.Tensor]]:
-        if model is None:
-            return {}
-        return {
-            "parameters": list(model.parameters()),
-            "gradients": [p.grad for p in model.parameters() if p.grad is not None],
-            "optimizer_state": optimizer_tensors(optimizer) if optimizer is not None else [],
-        }
+    memory = DeviceMemory(schedule, device, lambda: training.device_tensors() if training is not None else {})
 
-    memory = DeviceMemory(schedule, device, groups)
+    def ended(outcome: Outcome) -> Outcome:
+        return dataclasses.replace(
+            outcome,
+            resumed_from=progress.resumed_from,
+            plan=training.plan if training is not None else plan,
+            measurements=tuple(measurements + _steady(records)),
+            recoveries=tuple(recoveries),
+        )
 
     def oom_outcome(error: torch.OutOfMemoryError) -> Outcome:
-        return Outcome(
-            kind="oom",
-            step=progress.step,
-            phase=control.phase,
-            memory=memory.oom_figures(str(error)),
-            message=str(error),
-            resumed_from=progress.resumed_from,
+        figures = memory.oom_figures(str(error))
+        current = training.plan if training is not None else plan
+        measurements.append(
+            Measurement(
+                plan=current,
+                fits=False,
+                peak_bytes=(figures.allocated or 0) + (figures.requested or 0),
+                capacity=figures.total,
+                static=training.static_bytes() if training is not None else {},
+                step=progress.step,
+            )
         )
+        return Outcome(kind="oom", step=progress.step, phase=control.phase, memory=figures, message=str(error))
 
     metrics = (attempt_dir / METRICS).open("a")
     oom: Outcome | None = None
     try:
         with memory:
-            accelerator = Accelerator(mixed_precision=plan.mixed_precision, cpu=device.type == "cpu")
-            model = trainer.build_model().to(device)
-            ladder.configure_model(plan, model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=job.train.learning_rate, weight_decay=job.train.weight_decay)
-            lr_scheduler = get_scheduler(
-                "constant_with_warmup", optimizer=optimizer, num_warmup_steps=job.train.lr_warmup_steps
-            )
-            model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
-
             checkpoints_dir = config.workdir / "checkpoints"
-            latest = checkpoints.latest_valid(checkpoints_dir, warn=lambda text: print(text, flush=True))
+            latest = checkpoints.latest_valid(checkpoints_dir, warn=say)
+            memory.begin_step(latest.step if latest is not None else 0)
+            if config.probe and latest is None:
+                probed = run_probe(trainer, job, plan, device, memory, control, say)
+                measurements.extend(probed.measurements)
+                if probed.plan != plan:
+                    recoveries.append({"step": 0, "from": plan.to_dict(), "to": probed.plan.to_dict(), "reason": probed.reason})
+                plan = probed.plan
+                say(probed.reason)
+            control.phase = "setup"
+            training = build_training(trainer, job, plan, device)
             if latest is not None:
                 with memory.paused():
-                    accelerator.load_state(str(latest.path))
-                memory.track([*model.parameters(), *optimizer_tensors(optimizer)])
+                    training.model.load_state_dict(train_state.load_model_state(latest.path))
+                    train_state.load_rest(
+                        latest.path, optimizer=training.optimizer, lr_scheduler=training.lr_scheduler, scaler=training.scaler, plan=plan, say=say
+                    )
+                memory.track([*training.model.parameters(), *training.device_tensors()["optimizer_state"]])
                 progress.step = progress.last_checkpoint = progress.resumed_from = latest.step
-                print(f"resumed from checkpoint at step {latest.step} ({latest.path.name})", flush=True)
+                say(f"resumed from checkpoint at step {latest.step} ({latest.path.name})")
             else:
-                print("no checkpoint: starting at step 0", flush=True)
+                say("no checkpoint: starting at step 0")
 
             def save_checkpoint() -> None:
+                assert training is not None
                 control.phase = "checkpoint"
+                current = training
+
+                def write_state(directory: Path) -> None:
+                    train_state.save(
+                        directory,
+                        model_state=current.model.state_dict(),
+                        optimizer=current.optimizer,
+                        lr_scheduler=current.lr_scheduler,
+                        scaler=current.scaler,
+                        plan=current.plan,
+                        step=progress.step,
+                        job_name=job.name,
+                    )
+
                 with memory.paused():
-
-                    def write_state(directory: Path) -> None:
-                        accelerator.save_state(str(directory))
-                        (directory / TRAINER_STATE).write_text(json.dumps({"step": progress.step, "job": job.name}))
-
-                    saved = checkpoints.save(checkpoints_dir, progress.step, plan.to_dict(), write_state, job.train.keep_checkpoints)
+                    saved = checkpoints.save(checkpoints_dir, progress.step, current.plan.to_dict(), write_state, job.train.keep_checkpoints)
                 progress.last_checkpoint = progress.step
-                print(f"checkpoint at step {progress.step} ({saved.path.name})", flush=True)
+                say(f"checkpoint at step {progress.step} ({saved.path.name})")
 
             last_checkpoint_time = time.monotonic()
+            steps_in_process = 0
             while progress.step < job.train.max_steps:
                 if control.stop_requested:
                     # Nothing to keep before the first step: the next attempt starts over.
                     if progress.last_checkpoint != progress.step and progress.step > 0:
                         save_checkpoint()
-                    return Outcome(kind="interrupted", step=progress.step, message="stopped on request (SIGTERM) after a checkpoint", resumed_from=progress.resumed_from)
+                    return ended(Outcome(kind="interrupted", step=progress.step, message="stopped on request (SIGTERM) after a checkpoint"))
                 memory.begin_step(progress.step)
                 memory.reset_peak()
-                started = time.perf_counter()
                 try:
-                    loss = _one_step(trainer, model, optimizer, lr_scheduler, accelerator, plan, progress.step, device, memory, control)
+                    result = one_step(trainer, training, progress.step, memory, control)
                 except torch.OutOfMemoryError as error:
                     # Keep only numbers and text: the traceback holds the step's tensors, and
                     # they must be freed before anything else is allocated.
                     oom = oom_outcome(error)
                 if oom is not None:
-                    optimizer.zero_grad(set_to_none=True)
+                    free(training)
+                    if oom.phase in ("data", "forward", "backward") and config.recover_in_process and len(recoveries) < MAX_RECOVERIES:
+                        recovery = decide_in_process(training.plan, measurements + _steady(records), job.policy(), oom.memory.total if oom.memory else None)
+                        if recovery is not None:
+                            # Nothing of the step was applied: run the same step again.
+                            recoveries.append({"step": progress.step, "from": training.plan.to_dict(), "to": recovery.plan.to_dict(), "reason": recovery.reason})
+                            say(f"out of memory in {oom.phase} at step {progress.step}; {recovery.reason}")
+                            training.apply(recovery.plan)
+                            oom = None
+                            continue
                     # The state is consistent unless the OOM hit inside optimizer.step, where
                     # parameters may be half updated: then the last checkpoint stands.
                     if oom.phase != "optimizer" and progress.last_checkpoint != progress.step and progress.step > 0:
                         save_checkpoint()
-                    return oom
-                if not math.isfinite(loss):
-                    return Outcome(kind="diverged", step=progress.step, phase="forward", message=f"loss is {loss} at step {progress.step}", resumed_from=progress.resumed_from)
-                seconds = time.perf_counter() - started
+                    return ended(oom)
+                if not math.isfinite(result.loss):
+                    return ended(Outcome(kind="diverged", step=progress.step, phase="forward", message=f"loss is {result.loss} at step {progress.step}"))
+                steps_in_process += 1
+                samples_per_s = job.train.batch_size / result.seconds
+                if steps_in_process > 1:
+                    record = records.setdefault(training.plan, PlanRecord())
+                    record.peaks.append(memory.peak_bytes() or 0)
+                    record.rates.append(samples_per_s)
+                    record.capacity = memory.capacity()
+                    record.static = training.static_bytes()
                 progress.step += 1
-                _report(attempt_dir, metrics, progress, job.train.max_steps, loss, job.train.batch_size / seconds, memory, plan.short())
+                _report(attempt_dir, metrics, progress, job.train.max_steps, result.loss, samples_per_s, memory, training.plan.short())
                 due_by_steps = progress.step % job.train.checkpoint_every_steps == 0
                 every_seconds = job.train.checkpoint_every_seconds
                 due_by_time = every_seconds is not None and time.monotonic() - last_checkpoint_time >= every_seconds
@@ -151,44 +199,24 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
 
             control.phase = "checkpoint"
             with memory.paused():
-                _save_final(trainer, accelerator.unwrap_model(model), config.workdir / "final")
-            print(f"finished: {progress.step} steps; final model in {config.workdir / 'final'}", flush=True)
-            return Outcome(kind="finished", step=progress.step, resumed_from=progress.resumed_from)
+                _save_final(trainer, training.model, config.workdir / "final")
+            say(f"finished: {progress.step} steps; final model in {config.workdir / 'final'}")
+            return ended(Outcome(kind="finished", step=progress.step))
     except torch.OutOfMemoryError as error:
         # Out of memory outside a training step: the model or a loaded checkpoint does not fit
         # (phase "setup"). Still an OOM for the doctor, not a crash to retry unchanged.
-        return oom_outcome(error)
+        oom = oom_outcome(error)
+        return ended(oom)
     finally:
         metrics.close()
 
 
-def _one_step(trainer: Any, model: Any, optimizer: Any, lr_scheduler: Any, accelerator: Any, plan: Any, step: int, device: torch.device, memory: DeviceMemory, control: Control) -> float:
-    """One optimizer step over the whole effective batch, in micro-batches. Returns its loss."""
-    control.phase = "data"
-    with memory.paused():
-        inputs = trainer.step_inputs(step)
-    model.train()
-    total = 0.0
-    start = 0
-    for size in plan.micro_batch_sizes():
-        control.phase = "forward"
-        with accelerator.autocast():
-            loss = trainer.slice_loss(model, inputs, start, start + size, device)
-        # Weight by the slice's share of samples: the sum of the slices' gradients is then
-        # the gradient of the whole batch's mean loss, however the batch was split.
-        weighted = loss * (size / inputs.size)
-        control.phase = "backward"
-        accelerator.backward(weighted)
-        total += weighted.item()
-        start += size
-    for parameter in trainer.zero_gradient_parameters(model):
-        if parameter.grad is not None:
-            parameter.grad.zero_()
-    control.phase = "optimizer"
-    optimizer.step()
-    lr_scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total
+def _steady(records: dict[Plan, PlanRecord]) -> list[Measurement]:
+    return [
+        Measurement(plan=p, fits=True, peak_bytes=max(r.peaks), capacity=r.capacity, samples_per_s=statistics.median(r.rates), static=r.static)
+        for p, r in records.items()
+        if r.peaks
+    ]
 
 
 def _report(attempt_dir: Path, metrics: Any, progress: Progress, max_steps: int, loss: float, samples_per_s: float, memory: DeviceMemory, plan: str) -> None:

@@ -45,6 +45,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from oomguard.jobs.trainers import TRAINER_NAMES
+from oomguard.strategies.doctor import Policy
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
 from oomguard.strategies.plan import MixedPrecision, Plan
 
@@ -131,7 +132,7 @@ _TRAIN_KEYS = (
     "weight_decay",
     "micro_batch",
 )
-_LADDER_KEYS = ("allow", "max_attempts", "crash_retries")
+_LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe")
 _SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
     None: _TOP_KEYS,
     "data": _DATA_KEYS,
@@ -308,12 +309,15 @@ class LadderSpec:
     allow: tuple[str, ...] = EXACT_RUNG_NAMES
     max_attempts: int = 12
     crash_retries: int = 2
+    # Measure a few steps at two micro-batch sizes before the first attempt and start at a
+    # plan that fits.
+    probe: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allow", tuple(self.allow))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"allow": list(self.allow), "max_attempts": self.max_attempts, "crash_retries": self.crash_retries}
+        return {"allow": list(self.allow), "max_attempts": self.max_attempts, "crash_retries": self.crash_retries, "probe": self.probe}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LadderSpec:
@@ -339,6 +343,15 @@ class JobSpec:
         """The plan the first attempt runs with: the whole batch at once unless
         ``train.micro_batch`` says otherwise."""
         return Plan.initial(self.train.batch_size, self.train.mixed_precision, self.train.micro_batch)
+
+    def policy(self) -> Policy:
+        """What the doctor may do for this job."""
+        return Policy(
+            allow=self.ladder.allow,
+            max_attempts=self.ladder.max_attempts,
+            crash_retries=self.ladder.crash_retries,
+            initial=self.initial_plan(),
+        )
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
@@ -882,4 +895,5 @@ def _parse_ladder(ctx: _Ctx, s: _Section) -> LadderSpec:
     allow = s.names("allow", RUNG_NAMES, "rung", default=EXACT_RUNG_NAMES)
     max_attempts = s.int("max_attempts", minimum=1, default=12)
     crash_retries = s.int("crash_retries", minimum=0, default=2)
-    return LadderSpec(allow=tuple(allow), max_attempts=max_attempts, crash_retries=crash_retries)
+    probe = s.bool("probe", default=True)
+    return LadderSpec(allow=tuple(allow), max_attempts=max_attempts, crash_retries=crash_retries, probe=probe)

@@ -10,10 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from oomguard.strategies import ladder
+from oomguard.strategies import ladder, planner
+from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
-from oomguard.strategies.outcome import MemoryFigures, Outcome
+from oomguard.strategies.outcome import MemoryFigures, Outcome, format_bytes
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.planner import candidate_plans, rungs_between
 
 
 # Rungs that shrink activations: no help when the OOM came before any activation existed
@@ -28,6 +30,8 @@ class Policy:
     allow: tuple[str, ...] = EXACT_RUNG_NAMES
     max_attempts: int = 12
     crash_retries: int = 2
+    # The job's own first plan: the planner searches everything reachable from it.
+    initial: Plan | None = None
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,6 @@ class GiveUp:
 
 
 Decision = NextPlan | Retry | GiveUp
-
-
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    if n < 2**20:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{n / 2**20:.1f} MiB"
 
 
 def is_fragmentation(memory: MemoryFigures | None) -> bool:
@@ -136,23 +132,74 @@ def _after_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
     )
 
 
+def measurements_of(history: Sequence[PastAttempt]) -> list[Measurement]:
+    return [m for past in history for m in past.outcome.measurements]
+
+
+def _origin(plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Plan:
+    """The job's own plan (nothing saved) with the allocator setting now in force: the
+    planner searches everything reachable from it, so it may also undo a rung."""
+    origin = policy.initial or (history[0].plan if history else plan)
+    return origin.replace(allocator=plan.allocator)
+
+
 def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
     # A plan that ran out of memory is never run again.
     failed = {past.plan for past in history if past.outcome.kind == "oom"} | {plan}
     diagnosis = describe_oom(outcome)
-    candidates: list[str] = []
-    if is_fragmentation(outcome.memory):
-        candidates.append("allocator")
-        diagnosis += (
-            f"; {format_bytes(outcome.memory.reserved_unallocated)} reserved but unallocated"  # type: ignore[union-attr]
-            " is at least the request: fragmentation"
-        )
-    rungs = [r.name for r in ladder.ORDER if r.name != "allocator"]
+    memory = outcome.memory
+    if is_fragmentation(memory) and "allocator" in policy.allow:
+        new_plan = ladder.IMPLEMENTED["allocator"].step(plan)
+        if new_plan is not None and new_plan not in failed:
+            diagnosis += (
+                f"; {format_bytes(memory.reserved_unallocated)} reserved but unallocated"  # type: ignore[union-attr]
+                " is at least the request: fragmentation"
+            )
+            return NextPlan(plan=new_plan, rung="allocator", reason=f"{diagnosis} -> {ladder.IMPLEMENTED['allocator'].describe(plan, new_plan)}")
     if outcome.phase == "setup":
         diagnosis += "; the model and its state do not fit before training starts"
+    capacity = memory.total if memory is not None else None
+    if capacity:
+        decision = _plan_by_numbers(outcome, plan, history, policy, capacity, failed, diagnosis)
+        if decision is not None:
+            return decision
+    return _walk_ladder(outcome, plan, history, policy, failed, diagnosis)
+
+
+def _plan_by_numbers(
+    outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy, capacity: int, failed: set[Plan], diagnosis: str
+) -> Decision | None:
+    """The planner's answer from the memory model; None when the model knows too little."""
+    model = MemoryModel(measurements_of(history))
+    origin = _origin(plan, history, policy)
+    allowed = [p for p in candidate_plans(origin, policy.allow) if p not in failed]
+    if all(model.fits(p, capacity) is None for p in allowed):
+        return None
+    choice = planner.choose(origin, allowed, model, capacity)
+    if choice is not None:
+        rungs = rungs_between(plan, choice.plan) or ("micro_batch",)
+        return NextPlan(plan=choice.plan, rung="+".join(rungs), reason=f"{diagnosis} -> {choice.summary(capacity)}")
+    everything = [p for p in candidate_plans(origin, RUNG_NAMES) if p not in failed]
+    wider = planner.choose(origin, everything, model, capacity)
+    if wider is not None:
+        needed = [name for name in rungs_between(origin, wider.plan) if name not in policy.allow]
+        return GiveUp(
+            reason=f"{diagnosis}; no plan the job allows fits {format_bytes(capacity)}; "
+            f"{wider.summary(capacity)} would, with {', '.join(needed)} (not allowed)",
+            report=report(history, policy, needed=needed),
+        )
+    return GiveUp(
+        reason=f"{diagnosis}; no plan fits {format_bytes(capacity)}, even with every rung oomguard has",
+        report=report(history, policy),
+    )
+
+
+def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy, failed: set[Plan], diagnosis: str) -> Decision:
+    """Without numbers: the cheapest allowed rung that gives a plan not yet run out of memory."""
+    rungs = [r.name for r in ladder.ORDER if r.name != "allocator"]
+    if outcome.phase == "setup":
         rungs = [name for name in rungs if name not in ACTIVATION_RUNGS]
-    candidates += rungs
-    for name in candidates:
+    for name in rungs:
         if name not in policy.allow:
             continue
         rung = ladder.IMPLEMENTED[name]
@@ -164,7 +211,33 @@ def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], pol
     return GiveUp(reason=f"{diagnosis}; no allowed rung is left", report=report(history, policy))
 
 
-def report(history: Sequence[PastAttempt], policy: Policy) -> str:
+def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: Policy, capacity: int | None) -> NextPlan | None:
+    """After an OOM in forward or backward: a plan the running process can switch to (the
+    rungs that need no restart), or None when only a new process can help."""
+    allowed = [name for name in policy.allow if (r := ladder.rung(name)) is not None and not r.needs_restart]
+    failed = {m.plan for m in measurements if not m.fits and (capacity is None or m.capacity is None or m.capacity >= capacity)}
+    candidates = [p for p in candidate_plans(plan.replace(micro_batch=plan.per_rank_batch), allowed, restart=False) if p not in failed]
+    model = MemoryModel(measurements)
+    if capacity is not None and any(model.fits(p, capacity) is not None for p in candidates):
+        choice = planner.choose(plan, candidates, model, capacity)
+        if choice is None:
+            return None
+        rungs = rungs_between(plan, choice.plan) or ("micro_batch",)
+        return NextPlan(plan=choice.plan, rung="+".join(rungs), reason=f"in-process -> {choice.summary(capacity)}")
+    # No numbers: halve the micro-batch, then checkpointing.
+    for name in ("micro_batch", "checkpointing", "attention"):
+        rung = ladder.rung(name)
+        if rung is None or name not in allowed:
+            continue
+        new_plan = rung.step(plan)
+        while new_plan is not None and new_plan in failed:
+            new_plan = rung.step(new_plan)
+        if new_plan is not None:
+            return NextPlan(plan=new_plan, rung=name, reason=f"in-process -> {rung.describe(plan, new_plan)}")
+    return None
+
+
+def report(history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str] = ()) -> str:
     """What was tried, in order, and what the job could still allow."""
     lines = ["Attempts:"]
     for number, past in enumerate(history, start=1):
@@ -178,8 +251,9 @@ def report(history: Sequence[PastAttempt], policy: Policy) -> str:
     not_allowed = [name for name in RUNG_NAMES if name not in policy.allow]
     if not_allowed:
         lines.append("Rungs this job does not allow: " + ", ".join(not_allowed) + ".")
-    # Suggest only rungs this version can take: allowing one without code would change nothing.
-    could_help = [name for name in not_allowed if ladder.rung(name) is not None]
+    # Suggest the rungs that would make a plan fit, when the memory model knows them; else
+    # every rung this version can take (allowing one without code would change nothing).
+    could_help = list(needed) or [name for name in not_allowed if ladder.rung(name) is not None]
     if could_help:
         lines.append('To allow more, extend the job file, e.g.: [ladder] allow = [' + ", ".join(f'"{n}"' for n in (*policy.allow, *could_help)) + "]")
     elif not_allowed:

@@ -7,6 +7,9 @@ import signal
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from oomguard.strategies.memory_model import Measurement
+from oomguard.strategies.plan import Plan
+
 OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted"]
 Phase = Literal["setup", "data", "forward", "backward", "optimizer", "checkpoint"]
 
@@ -25,6 +28,14 @@ KIND_BY_EXIT_CODE: dict[int, OutcomeKind] = {
     EXIT_DIVERGED: "diverged",
     EXIT_INTERRUPTED: "interrupted",
 }
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    if n < 2**20:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{n / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -63,9 +74,20 @@ class Outcome:
     exit_code: int | None = None
     # Step of the checkpoint the attempt resumed from (None: it started from scratch).
     resumed_from: int | None = None
+    # The plan in force when the attempt ended: a probe or an in-process recovery may have
+    # changed the one it started with (None: unchanged, or a runner that died first).
+    plan: Plan | None = None
+    # What the attempt measured, per plan it ran (probe steps included), for the memory model.
+    measurements: tuple[Measurement, ...] = ()
+    # Rungs taken inside the process, in order: {"step", "from", "to", "rungs", "reason"}.
+    recoveries: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["plan"] = self.plan.to_dict() if self.plan is not None else None
+        data["measurements"] = [m.to_dict() for m in self.measurements]
+        data["recoveries"] = list(self.recoveries)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Outcome:
@@ -74,7 +96,16 @@ class Outcome:
         memory = data.get("memory")
         if memory:
             memory = MemoryFigures(**_known(MemoryFigures, memory))
-        return cls(**{**_known(cls, data), "memory": memory or None})
+        plan = data.get("plan")
+        return cls(
+            **{
+                **_known(cls, data),
+                "memory": memory or None,
+                "plan": Plan.from_dict(plan) if plan else None,
+                "measurements": tuple(Measurement.from_dict(m) for m in data.get("measurements") or ()),
+                "recoveries": tuple(data.get("recoveries") or ()),
+            }
+        )
 
     @classmethod
     def from_exit_status(cls, returncode: int) -> Outcome:

@@ -68,9 +68,14 @@ def write_attempt(
     micro_batch: int | None = None,
     number: int = 1,
     cap: str | None = None,
+    plan: Plan | None = None,
+    probe: bool = False,
+    recover_in_process: bool = True,
 ) -> Path:
-    plan = Plan.initial(job.train.batch_size, micro_batch=micro_batch)
-    AttemptConfig(job=job, plan=plan, number=number, workdir=workdir, emulate_device_memory=cap).write(attempt_dir)
+    plan = plan or Plan.initial(job.train.batch_size, micro_batch=micro_batch)
+    AttemptConfig(
+        job=job, plan=plan, number=number, workdir=workdir, emulate_device_memory=cap, probe=probe, recover_in_process=recover_in_process
+    ).write(attempt_dir)
     return attempt_dir
 
 

@@ -185,7 +185,8 @@ def test_oom_after_a_checkpoint_then_half_the_micro_batch_finishes_the_same(
     print(f"steady peaks: mb=8 {full_peak} B, mb=3 {mb3_peak} B; cap {cap} B from step {OOM_STEP}")
 
     workdir = tmp_path / "work"
-    first = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=schedule))
+    # In-process recovery off: this is the path of rungs that need a new process.
+    first = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=schedule, recover_in_process=False))
     assert first.returncode == EXIT_OOM, first
     oom = first.outcome
     assert oom.kind == "oom" and oom.exit_code == EXIT_OOM
@@ -220,6 +221,56 @@ def test_oom_after_a_checkpoint_then_half_the_micro_batch_finishes_the_same(
     worst = assert_weights_allclose(weights, baseline_weights)
     print(f"OOM + resume with micro_batch 4 vs uninterrupted: max abs weight difference {worst:.3g}")
     torch.testing.assert_close(final_output(workdir), final_output(baseline[1]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_oom_in_process_reruns_the_step_with_a_smaller_micro_batch_and_recomputes_nothing(
+    tmp_path, baseline, baseline_weights, measured_full, micro_batch_3
+):
+    full_peak = steady_peak(measured_full[0])
+    mb3_peak = steady_peak(micro_batch_3[0])
+    per_sample = (full_peak - mb3_peak) / 5
+    cap = int((full_peak + mb3_peak + per_sample) / 2)  # between micro-batch 4's peak and 8's
+    schedule = f"{HUGE_CAP},{cap}B@{OOM_STEP}"
+
+    workdir = tmp_path / "work"
+    result = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=schedule))
+    outcome = assert_finished(result)
+    # One attempt, one process: every step ran exactly once, the step of the OOM included.
+    assert [m["step"] for m in result.metrics] == list(range(1, MAX_STEPS + 1))
+    assert f"out of memory in forward at step {OOM_STEP}" in result.stdout or f"out of memory in backward at step {OOM_STEP}" in result.stdout
+    (recovery,) = outcome.recoveries
+    assert recovery["step"] == OOM_STEP and recovery["from"]["micro_batch"] == 8
+    assert 1 <= recovery["to"]["micro_batch"] < 8
+    assert outcome.plan is not None and outcome.plan.micro_batch == recovery["to"]["micro_batch"]
+    # No emergency checkpoint was needed: only the regular ones.
+    assert OOM_STEP not in checkpoint_steps(workdir)
+    after = [m for m in result.metrics if m["step"] > OOM_STEP]
+    assert all(m["peak_bytes"] <= cap for m in after)
+    # The OOM is on record as a measurement the memory model can use.
+    assert any(not m.fits and m.plan.micro_batch == 8 and m.capacity == cap for m in outcome.measurements)
+
+    assert losses(result.metrics) == pytest.approx(losses(baseline[0].metrics), rel=1e-5, abs=1e-6)
+    worst = assert_weights_allclose(load_final(workdir), baseline_weights)
+    print(f"in-process recovery 8 -> {outcome.plan.micro_batch} at step {OOM_STEP}: max abs weight difference {worst:.3g}")
+
+
+@pytest.mark.slow
+def test_probe_starts_at_the_micro_batch_that_fits_and_finishes_without_an_oom(tmp_path, measured_full, micro_batch_3):
+    full_peak = steady_peak(measured_full[0])
+    mb3_peak = steady_peak(micro_batch_3[0])
+    per_sample = (full_peak - mb3_peak) / 5
+    mb2 = mb3_peak - per_sample
+    cap = int(mb2 + 0.6 * per_sample) * 100 // 90  # micro-batch 2 fits with the margin, 3 does not
+    workdir = tmp_path / "work"
+    result = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=f"{cap}B", probe=True))
+    outcome = assert_finished(result)
+    assert "probe: start at [mb=2x4]" in result.stdout, result
+    assert outcome.plan is not None and outcome.plan.micro_batch == 2
+    assert not any(not m.fits for m in outcome.measurements), outcome.measurements
+    assert outcome.recoveries and outcome.recoveries[0]["step"] == 0
+    assert [m["step"] for m in result.metrics] == list(range(1, MAX_STEPS + 1))
+    assert all("mb=2x4" == m["plan"] for m in result.metrics)
 
 
 # ----------------------------------------------------------------------------- 4./5. signals

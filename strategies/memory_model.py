@@ -1,0 +1,341 @@
+"""The memory model: from measured peaks, the peak a plan would reach and how fast it would run.
+
+For one *shape* (every knob but the micro-batch) the peak of a training step is close to a
+straight line in the micro-batch:
+
+    peak = fixed + per_sample * micro_batch
+
+where ``fixed`` holds parameters, gradients and optimizer state (the static consumers) plus a
+small transient. Two measured micro-batch sizes give the line; one measurement and the static
+bytes give it too. A shape that has not run is predicted from the closest one that has, by
+what each knob does to the consumers (e.g. checkpointing keeps ~60% of the activations of a
+diffusers UNet, optimizer offload moves all optimizer state to host memory). Predictions
+from another shape get a wider safety margin than lines fitted to the shape itself.
+
+Speed works the same way: the time of one step is ``micro_batches * per_micro + batch *
+per_sample`` (fixed cost per forward/backward, plus cost per sample); two measured sizes
+give both terms, and knobs scale them by factors measured on this project's trainers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from oomguard.strategies.plan import Plan
+
+# What each knob does to the activations of one sample, relative to the plain plan. Measured
+# on the built-in UNet trainer under the emulated device (tests/test_memory_model.py and
+# tests/test_rung_memory.py hold the measurements these are rounded from).
+ACTIVATION_FACTOR = {
+    "gradient_checkpointing": 0.62,
+    "sliced_attention": 0.9,
+    "half_precision": 0.6,
+    "lora": 1.05,
+}
+# What each knob does to the time of one sample's forward and backward.
+TIME_FACTOR = {
+    "gradient_checkpointing": 1.15,
+    "sliced_attention": 1.1,
+    "half_precision": 1.0,
+    "offload_optimizer": 1.1,
+    "adamw8bit": 1.05,
+    "lora": 0.9,
+    "base_quantization": 1.1,
+}
+# Bytes of optimizer state per byte of trainable parameters: AdamW keeps two fp32 moments;
+# an 8-bit AdamW keeps two 8-bit moments plus block scales.
+OPTIMIZER_STATE_PER_PARAMETER_BYTE = {"adamw": 2.0, "adamw8bit": 0.55}
+# A LoRA adapter's parameters as a share of the base model's (rank 16 on a small UNet; an
+# overestimate on big models, which errs towards fitting).
+LORA_PARAMETER_SHARE = 0.1
+# Bytes kept per byte of a frozen fp32 base weight when it is quantized.
+QUANTIZED_PARAMETER_SHARE = {"int8": 0.27, "nf4": 0.16}
+
+# Predicted peaks must stay this far under the capacity: a line fitted to the shape itself
+# is good to a few percent; a prediction carried over from another shape is rougher.
+MARGIN_MEASURED = 0.08
+MARGIN_PREDICTED = 0.15
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What one plan did on the device.
+
+    ``fits``: a whole step ran and ``peak_bytes`` is its steady peak (optimizer state
+    included). Otherwise the plan ran out of memory and ``peak_bytes`` is the bytes in use
+    plus the failed request, a lower bound of its peak at ``capacity``.
+    ``static`` holds the bytes of ``parameters`` (on the device), ``trainable`` parameters
+    and device ``optimizer_state`` when the runner knew them.
+    """
+
+    plan: Plan
+    fits: bool
+    peak_bytes: int
+    capacity: int | None = None
+    samples_per_s: float | None = None
+    static: dict[str, int] = field(default_factory=dict)
+    step: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["plan"] = self.plan.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Measurement:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values["plan"] = Plan.from_dict(data["plan"])
+        values["static"] = dict(values.get("static") or {})
+        return cls(**values)
+
+
+def shape_of(plan: Plan) -> Plan:
+    """The plan with micro-batch and allocator set aside: what the peak line depends on."""
+    return plan.replace(micro_batch=1, allocator="")
+
+
+def _activation_factor(plan: Plan) -> float:
+    factor = 1.0
+    if plan.gradient_checkpointing:
+        factor *= ACTIVATION_FACTOR["gradient_checkpointing"]
+    if plan.attention == "sliced":
+        factor *= ACTIVATION_FACTOR["sliced_attention"]
+    if plan.mixed_precision != "no":
+        factor *= ACTIVATION_FACTOR["half_precision"]
+    if plan.lora_rank is not None:
+        factor *= ACTIVATION_FACTOR["lora"]
+    return factor
+
+
+def _time_factor(plan: Plan) -> float:
+    factor = 1.0
+    if plan.gradient_checkpointing:
+        factor *= TIME_FACTOR["gradient_checkpointing"]
+    if plan.attention == "sliced":
+        factor *= TIME_FACTOR["sliced_attention"]
+    if plan.mixed_precision != "no":
+        factor *= TIME_FACTOR["half_precision"]
+    if plan.offload == "optimizer":
+        factor *= TIME_FACTOR["offload_optimizer"]
+    if plan.optimizer == "adamw8bit":
+        factor *= TIME_FACTOR["adamw8bit"]
+    if plan.lora_rank is not None:
+        factor *= TIME_FACTOR["lora"]
+    if plan.base_quantization is not None:
+        factor *= TIME_FACTOR["base_quantization"]
+    return factor
+
+
+@dataclass(frozen=True)
+class StaticBytes:
+    """The consumers that do not grow with the micro-batch, for one shape."""
+
+    parameters: float
+    gradients: float
+    optimizer_state: float
+    # Extra bytes a half-precision step keeps (autocast's low-precision weight copies).
+    casts: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer_state + self.casts
+
+
+def _full_parameter_bytes(shape: Plan, static: dict[str, int]) -> float | None:
+    """The bytes the whole model's parameters take in full precision, from what a run of
+    ``shape`` measured."""
+    parameters = static.get("parameters")
+    if parameters is None:
+        return None
+    share = 1.0
+    if shape.lora_rank is not None:
+        share = LORA_PARAMETER_SHARE + (QUANTIZED_PARAMETER_SHARE[shape.base_quantization] if shape.base_quantization else 1.0)
+    return parameters / share
+
+
+def static_bytes(shape: Plan, full_parameters: float) -> StaticBytes:
+    """What parameters, gradients and optimizer state of ``shape`` take on the device."""
+    if shape.lora_rank is None:
+        parameters = trainable = full_parameters
+    else:
+        trainable = full_parameters * LORA_PARAMETER_SHARE
+        base_share = QUANTIZED_PARAMETER_SHARE[shape.base_quantization] if shape.base_quantization else 1.0
+        parameters = full_parameters * base_share + trainable
+    optimizer = 0.0 if shape.offload == "optimizer" else trainable * OPTIMIZER_STATE_PER_PARAMETER_BYTE[shape.optimizer]
+    casts = parameters / 2 if shape.mixed_precision != "no" else 0.0
+    return StaticBytes(parameters=parameters, gradients=trainable, optimizer_state=optimizer, casts=casts)
+
+
+@dataclass(frozen=True)
+class Line:
+    """peak = fixed + per_sample * micro_batch for one shape; ``measured`` when fitted to
+    runs of the shape itself."""
+
+    fixed: float
+    per_sample: float
+    measured: bool
+
+    def peak(self, micro_batch: int) -> float:
+        return self.fixed + self.per_sample * micro_batch
+
+
+class MemoryModel:
+    """Peaks and speeds of plans, from the measurements of a job's attempts and probes."""
+
+    def __init__(self, measurements: Iterable[Measurement]) -> None:
+        self.measurements = list(measurements)
+        self._lines: dict[Plan, Line] = {}
+        self._full_parameters: float | None = None
+        for m in self.measurements:
+            full = _full_parameter_bytes(shape_of(m.plan), m.static)
+            if full is not None:
+                self._full_parameters = full
+        for shape in {shape_of(m.plan) for m in self.measurements}:
+            line = self._fit(shape)
+            if line is not None:
+                self._lines[shape] = line
+
+    # -- memory -------------------------------------------------------------------------
+
+    def _static(self, shape: Plan) -> StaticBytes | None:
+        if self._full_parameters is None:
+            return None
+        return static_bytes(shape, self._full_parameters)
+
+    def _fit(self, shape: Plan) -> Line | None:
+        runs = [m for m in self.measurements if m.fits and shape_of(m.plan) == shape]
+        by_size: dict[int, int] = {}
+        for m in runs:
+            by_size[m.plan.micro_batch] = max(by_size.get(m.plan.micro_batch, 0), m.peak_bytes)
+        if len(by_size) >= 2:
+            sizes = sorted(by_size)
+            # Least squares over all sizes; the slope is never taken below zero.
+            n = len(sizes)
+            mean_x = sum(sizes) / n
+            mean_y = sum(by_size[s] for s in sizes) / n
+            var = sum((s - mean_x) ** 2 for s in sizes)
+            slope = max(0.0, sum((s - mean_x) * (by_size[s] - mean_y) for s in sizes) / var)
+            # Lift the line so that no measured peak lies above it.
+            fixed = max(by_size[s] - slope * s for s in sizes)
+            return self._respect_ooms(shape, Line(fixed, slope, measured=True))
+        static = self._static(shape)
+        if len(by_size) == 1 and static is not None:
+            (size, peak), = by_size.items()
+            per_sample = max(0.0, (peak - static.total) / size)
+            return self._respect_ooms(shape, Line(static.total, per_sample, measured=True))
+        return None
+
+    def _respect_ooms(self, shape: Plan, line: Line) -> Line:
+        """An OOM of this shape at micro-batch m says peak(m) > the bytes it had: steepen the
+        line until it agrees."""
+        per_sample = line.per_sample
+        for m in self.measurements:
+            if not m.fits and shape_of(m.plan) == shape:
+                size = m.plan.micro_batch
+                if line.fixed + per_sample * size < m.peak_bytes:
+                    per_sample = (m.peak_bytes - line.fixed) / size
+        return Line(line.fixed, per_sample, line.measured)
+
+    def line(self, shape: Plan) -> Line | None:
+        """The peak line of ``shape``: fitted if it ran, else carried over from the closest
+        shape that did."""
+        shape = shape_of(shape)
+        if shape in self._lines:
+            return self._lines[shape]
+        if not self._lines:
+            return self._from_oom_only(shape)
+        reference = min(self._lines, key=lambda other: _distance(other, shape))
+        ref_line = self._lines[reference]
+        ref_static, static = self._static(reference), self._static(shape)
+        per_sample = ref_line.per_sample * _activation_factor(shape) / _activation_factor(reference)
+        if ref_static is None or static is None:
+            return Line(ref_line.fixed, per_sample, measured=False)
+        transient = max(0.0, ref_line.fixed - ref_static.total)
+        return self._respect_ooms(shape, Line(static.total + transient, per_sample, measured=False))
+
+    def _from_oom_only(self, shape: Plan) -> Line | None:
+        """Nothing ran to the end: only the static bytes can be predicted, and the OOMs bound
+        the activations from below."""
+        static = self._static(shape)
+        if static is None:
+            return None
+        per_sample = 0.0
+        for m in self.measurements:
+            known = self._static(shape_of(m.plan))
+            if known is None:
+                continue
+            scale = _activation_factor(shape) / _activation_factor(m.plan)
+            per_sample = max(per_sample, (m.peak_bytes - known.total) / m.plan.micro_batch * scale)
+        return Line(static.total, per_sample, measured=False)
+
+    def predicted_peak(self, plan: Plan) -> float | None:
+        line = self.line(plan)
+        return None if line is None else line.peak(plan.micro_batch)
+
+    def fits(self, plan: Plan, capacity: int) -> bool | None:
+        """Whether ``plan`` should fit ``capacity`` with a safety margin (None: no idea)."""
+        for m in self.measurements:
+            # What ran out of memory at this capacity or more does not fit now either.
+            if not m.fits and m.plan.replace(allocator="") == plan.replace(allocator="") and (m.capacity is None or m.capacity >= capacity):
+                return False
+        line = self.line(plan)
+        if line is None:
+            return None
+        margin = MARGIN_MEASURED if line.measured else MARGIN_PREDICTED
+        return line.peak(plan.micro_batch) <= capacity * (1 - margin)
+
+    def largest_micro_batch(self, shape: Plan, capacity: int) -> int | None:
+        """The largest micro-batch of ``shape`` (with its batch size) that fits ``capacity``."""
+        for size in range(shape.per_rank_batch, 0, -1):
+            if self.fits(shape.replace(micro_batch=size), capacity):
+                return size
+        return None
+
+    # -- speed --------------------------------------------------------------------------
+
+    def expected_samples_per_s(self, plan: Plan) -> float | None:
+        """Measured for this very plan, else from the step-time line of the closest shape."""
+        same = [m.samples_per_s for m in self.measurements if m.fits and m.samples_per_s and m.plan.replace(allocator="") == plan.replace(allocator="")]
+        if same:
+            return max(same)
+        timed = [m for m in self.measurements if m.fits and m.samples_per_s]
+        if not timed:
+            return None
+        reference = min({shape_of(m.plan) for m in timed}, key=lambda other: _distance(other, plan))
+        per_micro, per_sample = _time_line([m for m in timed if shape_of(m.plan) == reference])
+        scale = _time_factor(plan) / _time_factor(reference)
+        seconds = (plan.grad_accum * per_micro + plan.per_rank_batch * per_sample) * scale
+        return plan.per_rank_batch / seconds if seconds > 0 else None
+
+
+def _time_line(runs: Sequence[Measurement]) -> tuple[float, float]:
+    """Seconds per micro-batch and per sample, fitted to step times of one shape."""
+    seconds: dict[int, float] = {}
+    for m in runs:
+        assert m.samples_per_s
+        t = m.plan.per_rank_batch / m.samples_per_s
+        seconds[m.plan.micro_batch] = min(seconds.get(m.plan.micro_batch, t), t)
+    # Per micro-batch sizes: time of one micro-batch = per_micro + size * per_sample.
+    points = sorted((size, seconds[size] / _accum(runs, size)) for size in seconds)
+    if len(points) >= 2:
+        (x0, y0), (x1, y1) = points[0], points[-1]
+        per_sample = max(0.0, (y1 - y0) / (x1 - x0))
+        per_micro = max(0.0, y0 - per_sample * x0)
+        return per_micro, per_sample
+    (size, t), = points
+    # One size only: assume a tenth of a micro-batch's time is fixed cost.
+    return 0.1 * t, 0.9 * t / size
+
+
+def _accum(runs: Sequence[Measurement], size: int) -> int:
+    return next(m.plan.grad_accum for m in runs if m.plan.micro_batch == size)
+
+
+def _distance(a: Plan, b: Plan) -> int:
+    """How many knobs two shapes differ in."""
+    fields = ("gradient_checkpointing", "attention", "offload", "mixed_precision", "optimizer", "lora_rank", "base_quantization")
+    return sum(getattr(a, name) != getattr(b, name) for name in fields)

@@ -1,0 +1,118 @@
+"""The planner: among the plans a job's allowed rungs can reach, the one to run next.
+
+Faithful first, then fast: a plan that needs no approximate rung always wins over one that
+does; among plans equally faithful, the one with the best expected samples/s wins, among
+those the memory model says fit the device with a margin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from oomguard.strategies import ladder
+from oomguard.strategies.memory_model import MemoryModel
+from oomguard.strategies.outcome import format_bytes
+from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
+from oomguard.strategies.plan import Plan
+
+# The Plan field each rung turns (micro_batch's is the micro-batch itself).
+KNOB_OF_RUNG = {
+    "allocator": "allocator",
+    "micro_batch": "micro_batch",
+    "checkpointing": "gradient_checkpointing",
+    "attention": "attention",
+    "offload": "offload",
+    "precision": "mixed_precision",
+    "optimizer_8bit": "optimizer",
+    "lora": "lora_rank",
+    "base_quantization": "base_quantization",
+}
+
+
+@dataclass(frozen=True)
+class Choice:
+    plan: Plan
+    rungs: tuple[str, ...]  # the rungs by which it differs from the plan it replaces
+    predicted_peak: float | None
+    expected_samples_per_s: float | None
+
+    def summary(self, capacity: int) -> str:
+        text = f"[{self.plan.short()}]"
+        if self.predicted_peak is not None:
+            text += f" predicted peak {format_bytes(int(self.predicted_peak))} of {format_bytes(capacity)}"
+        if self.expected_samples_per_s is not None:
+            text += f", ~{self.expected_samples_per_s:.1f} samples/s"
+        return text
+
+
+def rungs_between(old: Plan, new: Plan) -> tuple[str, ...]:
+    """The rungs (ladder order) whose knobs differ between two plans."""
+    return tuple(name for name in RUNG_NAMES if getattr(old, KNOB_OF_RUNG[name]) != getattr(new, KNOB_OF_RUNG[name]))
+
+
+def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) -> list[Plan]:
+    """Every plan reachable from ``start`` by allowed rungs that have code.
+
+    ``restart=False`` keeps to rungs that take effect inside a running process.
+    """
+    allowed = {name for name in allow if ladder.rung(name) is not None}
+    shape_rungs = [
+        r for r in ladder.ORDER
+        if r.name in allowed and r.name not in ("micro_batch", "allocator") and (restart or not r.needs_restart)
+    ]
+    shapes = {start}
+    frontier = [start]
+    while frontier:
+        plan = frontier.pop()
+        for r in shape_rungs:
+            new = r.step(plan)
+            if new is not None and new not in shapes:
+                shapes.add(new)
+                frontier.append(new)
+    if "micro_batch" not in allowed:
+        return sorted(shapes, key=_order)
+    plans = {shape.replace(micro_batch=size) for shape in shapes for size in range(1, start.per_rank_batch + 1)}
+    return sorted(plans, key=_order)
+
+
+def _order(plan: Plan) -> tuple[object, ...]:
+    return tuple(str(v) for v in plan.to_dict().values())
+
+
+def faithfulness(start: Plan, plan: Plan) -> int:
+    """0 for a plan that only takes exact rungs; else 1 + the ladder position of its most
+    invasive approximate rung (precision < 8-bit optimizer < LoRA < quantized base)."""
+    approximate = [RUNG_NAMES.index(name) for name in rungs_between(start, plan) if name not in EXACT_RUNG_NAMES]
+    return 1 + max(approximate) if approximate else 0
+
+
+def choose(
+    start: Plan,
+    candidates: Iterable[Plan],
+    model: MemoryModel,
+    capacity: int,
+) -> Choice | None:
+    """The most faithful, then fastest, candidate the model says fits; None if none does
+    (or the model knows too little to say)."""
+    fitting = [plan for plan in candidates if model.fits(plan, capacity)]
+    if not fitting:
+        return None
+
+    def rank(plan: Plan) -> tuple[float, ...]:
+        speed = model.expected_samples_per_s(plan)
+        # Without timings, bigger micro-batches and fewer knobs are faster.
+        return (
+            faithfulness(start, plan),
+            -(speed if speed is not None else 0.0),
+            -plan.micro_batch,
+            len(rungs_between(start, plan)),
+        )
+
+    best = min(fitting, key=rank)
+    return Choice(
+        plan=best,
+        rungs=rungs_between(start, best),
+        predicted_peak=model.predicted_peak(best),
+        expected_samples_per_s=model.expected_samples_per_s(best),
+    )

@@ -1,0 +1,177 @@
+"""The memory model and the planner: peaks and speeds from measurements, and the plan chosen."""
+
+from __future__ import annotations
+
+import pytest
+
+from oomguard.strategies import planner
+from oomguard.strategies.doctor import NextPlan, PastAttempt, Policy, decide, decide_in_process
+from oomguard.strategies.memory_model import ACTIVATION_FACTOR, MARGIN_MEASURED, Measurement, MemoryModel, shape_of
+from oomguard.strategies.names import EXACT_RUNG_NAMES
+from oomguard.strategies.outcome import MemoryFigures, Outcome
+from oomguard.strategies.plan import Plan
+
+MiB = 2**20
+BATCH = 16
+BASE = Plan.initial(BATCH)
+# A model of 4 MiB of parameters: static = params + grads + 2x AdamW moments = 16 MiB.
+STATIC = {"parameters": 4 * MiB, "trainable": 4 * MiB, "optimizer_state": 8 * MiB}
+PER_SAMPLE = 5 * MiB
+TRANSIENT = 1 * MiB
+
+
+def peak(micro_batch: int, per_sample: float = PER_SAMPLE) -> int:
+    return int(16 * MiB + TRANSIENT + per_sample * micro_batch)
+
+
+def ran(plan: Plan, *, samples_per_s: float | None = None, per_sample: float = PER_SAMPLE) -> Measurement:
+    return Measurement(plan=plan, fits=True, peak_bytes=peak(plan.micro_batch, per_sample), capacity=1000 * MiB, samples_per_s=samples_per_s, static=STATIC)
+
+
+def step_time(micro_batch: int, per_micro: float = 0.05, per_sample: float = 0.01, factor: float = 1.0) -> float:
+    plan = BASE.replace(micro_batch=micro_batch)
+    return (plan.grad_accum * per_micro + BATCH * per_sample) * factor
+
+
+def timed(micro_batch: int, **kwargs: float) -> Measurement:
+    return ran(BASE.replace(micro_batch=micro_batch), samples_per_s=BATCH / step_time(micro_batch, **kwargs))
+
+
+# ----------------------------------------------------------------------------- peaks
+
+
+def test_two_sizes_give_the_line_and_it_predicts_the_others():
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=4))])
+    line = model.line(BASE)
+    assert line is not None and line.measured
+    assert line.per_sample == pytest.approx(PER_SAMPLE)
+    for size in (2, 8, 16):
+        assert model.predicted_peak(BASE.replace(micro_batch=size)) == pytest.approx(peak(size), rel=1e-6)
+
+
+def test_one_size_and_the_static_bytes_give_a_line_that_errs_high():
+    model = MemoryModel([ran(BASE.replace(micro_batch=1))])
+    predicted = model.predicted_peak(BASE.replace(micro_batch=8))
+    # The transient is counted per sample: larger micro-batches are overestimated, never under.
+    assert peak(8) <= predicted <= peak(8) + 8 * TRANSIENT
+
+
+def test_an_oom_steepens_a_line_that_said_it_would_fit():
+    optimistic = ran(BASE.replace(micro_batch=1), per_sample=PER_SAMPLE / 2)
+    oom = Measurement(plan=BASE.replace(micro_batch=8), fits=False, peak_bytes=peak(8), capacity=peak(8) - 1, static=STATIC)
+    model = MemoryModel([optimistic, oom])
+    assert model.predicted_peak(BASE.replace(micro_batch=8)) >= peak(8)
+
+
+def test_other_shapes_are_predicted_from_the_knobs():
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))])
+    checkpointed = model.line(BASE.replace(gradient_checkpointing=True))
+    assert checkpointed is not None and not checkpointed.measured
+    assert checkpointed.per_sample == pytest.approx(PER_SAMPLE * ACTIVATION_FACTOR["gradient_checkpointing"])
+    offloaded = model.line(BASE.replace(offload="optimizer"))
+    assert offloaded.fixed == pytest.approx(model.line(BASE).fixed - STATIC["optimizer_state"])
+
+
+def test_without_any_measurement_nothing_is_claimed():
+    assert MemoryModel([]).fits(BASE, 100 * MiB) is None
+
+
+def test_fits_keeps_a_margin_and_never_trusts_a_plan_that_ran_out_at_this_capacity():
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=4))])
+    exact = peak(4)
+    assert model.fits(BASE.replace(micro_batch=4), int(exact / (1 - MARGIN_MEASURED)) + 1)
+    assert not model.fits(BASE.replace(micro_batch=4), exact)
+    oom = Measurement(plan=BASE.replace(micro_batch=2), fits=False, peak_bytes=peak(2), capacity=200 * MiB)
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), oom])
+    assert model.fits(BASE.replace(micro_batch=2), 150 * MiB) is False  # ran out with more
+    assert model.fits(BASE.replace(micro_batch=2), 300 * MiB)  # more room now than then
+
+
+@pytest.mark.parametrize("capacity_mib, expected", [(40, 3), (60, 7), (100, 15), (200, 16), (17, None)])
+def test_largest_micro_batch(capacity_mib, expected):
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))])
+    assert model.largest_micro_batch(BASE, capacity_mib * MiB) == expected
+
+
+def test_measurements_round_trip():
+    m = ran(BASE.replace(micro_batch=3), samples_per_s=12.5)
+    assert Measurement.from_dict(m.to_dict()) == m
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def test_speed_is_measured_for_a_plan_that_ran_and_predicted_for_others():
+    model = MemoryModel([timed(1), timed(2)])
+    assert model.expected_samples_per_s(BASE.replace(micro_batch=1)) == pytest.approx(BATCH / step_time(1))
+    for size in (4, 8, 16):
+        assert model.expected_samples_per_s(BASE.replace(micro_batch=size)) == pytest.approx(BATCH / step_time(size), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- planner
+
+
+def test_candidates_cover_every_micro_batch_of_every_reachable_shape():
+    plans = planner.candidate_plans(BASE, ("micro_batch", "checkpointing"))
+    assert len(plans) == 2 * BATCH
+    assert len(planner.candidate_plans(BASE, ("checkpointing",))) == 2
+    in_process = planner.candidate_plans(BASE, ("micro_batch", "checkpointing", "allocator"), restart=False)
+    assert {p.allocator for p in in_process} == {""}
+
+
+def test_the_planner_takes_the_fastest_plan_that_fits_not_the_smallest_step():
+    # Checkpointing at micro-batch 16 beats micro-batch 6 without it when a step's fixed cost
+    # per micro-batch dominates.
+    measurements = [timed(1, per_micro=0.1, per_sample=0.001), timed(2, per_micro=0.1, per_sample=0.001)]
+    model = MemoryModel(measurements)
+    capacity = int(peak(7) / (1 - 0.1))
+    candidates = planner.candidate_plans(BASE, EXACT_RUNG_NAMES)
+    choice = planner.choose(BASE, candidates, model, capacity)
+    assert choice is not None
+    assert choice.plan.gradient_checkpointing and choice.plan.micro_batch > 7, choice
+    # Without checkpointing allowed: the largest micro-batch that fits.
+    choice = planner.choose(BASE, planner.candidate_plans(BASE, ("micro_batch",)), model, capacity)
+    assert choice.plan == BASE.replace(micro_batch=model.largest_micro_batch(BASE, capacity))
+
+
+def test_an_exact_plan_wins_over_a_faster_approximate_one():
+    start = BASE
+    exact = BASE.replace(micro_batch=4)
+    approximate = BASE.replace(micro_batch=4, mixed_precision="bf16")
+    assert planner.faithfulness(start, exact) == 0
+    assert planner.faithfulness(start, approximate) > 0
+    assert planner.rungs_between(start, approximate) == ("micro_batch", "precision")
+
+
+# ----------------------------------------------------------------------------- doctor with numbers
+
+
+def oom_at(plan: Plan, capacity: int, step: int = 3) -> Outcome:
+    figures = MemoryFigures(requested=PER_SAMPLE, allocated=capacity - PER_SAMPLE // 2, reserved=capacity - PER_SAMPLE // 2, total=capacity, breakdown={"activations": capacity // 2})
+    oom = Measurement(plan=plan, fits=False, peak_bytes=capacity + PER_SAMPLE // 2, capacity=capacity, static=STATIC, step=step)
+    return Outcome(kind="oom", step=step, phase="forward", memory=figures, plan=plan, measurements=(oom,))
+
+
+def test_the_doctor_jumps_straight_to_the_largest_micro_batch_that_fits():
+    capacity = int(peak(5) / (1 - MARGIN_MEASURED)) + 1
+    measured = Outcome(kind="interrupted", plan=BASE, measurements=(ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))))
+    outcome = oom_at(BASE, capacity)
+    history = [PastAttempt(BASE, measured), PastAttempt(BASE, outcome)]
+    decision = decide(outcome, BASE, history, Policy(allow=("micro_batch",), initial=BASE))
+    assert isinstance(decision, NextPlan)
+    assert decision.plan.micro_batch == 5, decision
+    assert "predicted peak" in decision.reason
+
+
+def test_in_process_takes_only_rungs_that_need_no_restart():
+    capacity = 30 * MiB  # below the static bytes + one sample with or without checkpointing
+    measurements = [ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))]
+    everything = Policy(allow=("allocator", "micro_batch", "checkpointing", "offload"), initial=BASE)
+    decision = decide_in_process(BASE, measurements, everything, capacity)
+    assert decision is None or decision.plan.offload == "none"
+    decision = decide_in_process(BASE, measurements, everything, 60 * MiB)
+    assert isinstance(decision, NextPlan) and decision.plan.micro_batch < BATCH and decision.plan.offload == "none"
+
+
+def test_shape_of_ignores_micro_batch_and_allocator():
+    assert shape_of(BASE.replace(micro_batch=3, allocator="expandable_segments:True")) == shape_of(BASE)

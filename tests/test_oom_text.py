@@ -1,0 +1,313 @@
+"""Reading OOMs from their text: real messages in tests/oom_messages/, the CLI, the supervisor.
+
+Each file in tests/oom_messages/ is one message shape, taken from a public report (its first
+lines say where) and headed by what it must be read as:
+
+    # expect: KIND key=value ...
+
+Keys: device, gpu, requested, total, free, allocated, unallocated (reserved but unallocated),
+reserved (allocated + unallocated, for the old wording that prints the total), in_use (this
+process), others (pid:size,...), allowed, pools (private pools). Sizes are written as PyTorch
+prints them ("20.00MiB", "0bytes", "5.56GiB+1.10GiB"). Every figure not listed must be absent:
+the parser must neither miss a number nor invent one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+
+from oomguard.daemon.supervisor import outcome_without_report
+from oomguard.strategies.oom_text import OomVerdict, describe_size, read_oom, read_oom_log, size_bytes
+
+MESSAGES = Path(__file__).parent / "oom_messages"
+FIXTURES = sorted(MESSAGES.glob("*.txt"))
+UNITS = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def load(path: Path) -> tuple[dict[str, str], str]:
+    """(expectations, text) of a fixture: its leading "# " lines are the header."""
+    lines = path.read_text().splitlines(keepends=True)
+    end = next((i for i, line in enumerate(lines) if not line.startswith("# ")), len(lines))
+    expect = next(line for line in lines[:end] if line.startswith("# expect:"))
+    kind, *pairs = expect.removeprefix("# expect:").split()
+    return {"kind": kind, **dict(pair.split("=", 1) for pair in pairs)}, "".join(lines[end:])
+
+
+def expected_bytes(text: str) -> int:
+    """"20.00MiB" -> bytes, computed apart from the parser; "a+b" adds."""
+    total = 0
+    for part in text.split("+"):
+        unit = next(u for u in UNITS if part.endswith(u))
+        total += round(Decimal(part.removesuffix(unit)) * UNITS[unit])
+    return total
+
+
+def test_there_are_enough_message_shapes() -> None:
+    assert len(FIXTURES) >= 24
+    for path in FIXTURES:
+        header = [line for line in path.read_text().splitlines() if line.startswith("# ")]
+        assert any(line.startswith("# source:") for line in header), f"{path.name} does not say where its text comes from"
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_message(path: Path) -> None:
+    expect, text = load(path)
+    verdict = read_oom(text)
+    assert verdict.kind == expect["kind"], verdict.reason
+    assert verdict.device == expect.get("device")
+    assert verdict.gpu_index == (int(expect["gpu"]) if "gpu" in expect else None)
+    sizes = {
+        "requested": verdict.requested,
+        "total": verdict.total,
+        "free": verdict.free,
+        "allocated": verdict.allocated,
+        "in_use": verdict.process_in_use,
+        "allowed": verdict.allowed,
+        "pools": verdict.private_pools,
+    }
+    for key, value in sizes.items():
+        assert value == (expected_bytes(expect[key]) if key in expect else None), key
+    if "reserved" in expect:
+        assert verdict.reserved == expected_bytes(expect["reserved"])
+    else:
+        assert verdict.reserved_unallocated == (expected_bytes(expect["unallocated"]) if "unallocated" in expect else None)
+    others = dict(pair.split(":") for pair in expect["others"].split(",")) if "others" in expect else {}
+    assert verdict.other_processes == {int(pid): expected_bytes(size) for pid, size in others.items()}
+    assert verdict.reason and (verdict.message or verdict.reason == "no error found in the text")
+    # The verdict is about the text, and says it in one sentence.
+    assert "\n" not in verdict.reason
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_the_doctor_gets_the_figures(path: Path) -> None:
+    verdict = read_oom(load(path)[1])
+    figures = verdict.memory_figures()
+    assert (figures.requested, figures.allocated, figures.free, figures.total) == (
+        verdict.requested, verdict.allocated, verdict.free, verdict.total,
+    )
+    assert figures.reserved_unallocated == (verdict.reserved_unallocated if verdict.allocated is not None else None)
+    json.dumps(verdict.to_dict())
+
+
+def test_fragmentation_is_read_from_the_numbers_not_the_hint() -> None:
+    # Every new-format message carries the expandable_segments hint; these two differ only in
+    # whether the reserved-but-unallocated bytes cover the request.
+    base = (
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {req}. GPU 0 has a total capacity of 23.65 GiB of "
+        "which 11.06 MiB is free. Including non-PyTorch memory, this process has 23.60 GiB memory in use. Of the allocated "
+        "memory 22.90 GiB is allocated by PyTorch, and 194.87 MiB is reserved by PyTorch but unallocated. If reserved but "
+        "unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )
+    assert read_oom(base.format(req="194.87 MiB")).kind == "oom_fragmentation"
+    assert read_oom(base.format(req="194.88 MiB")).kind == "oom"
+
+
+def test_a_long_log_is_read_for_its_last_error_quickly() -> None:
+    expect, text = load(MESSAGES / "log_oom_then_shutdown_noise.txt")
+    progress = "Steps:  12%|█▏        | 48/400 [01:02<07:36,  1.30s/it, loss=0.0913, lr=5e-6]\n"
+    before, marker, after = text.partition("Traceback (most recent call last):")
+    long_log = before + progress * 5000 + marker + after
+    started = time.monotonic()
+    verdict = read_oom(long_log)
+    assert time.monotonic() - started < 5
+    assert verdict.kind == expect["kind"] == "oom_fragmentation"
+    assert verdict.requested == expected_bytes(expect["requested"])
+
+
+def test_the_last_fatal_error_wins_over_an_oom_the_job_survived() -> None:
+    verdict = read_oom(load(MESSAGES / "log_recovered_oom_then_nccl.txt")[1])
+    assert verdict.kind == "not_oom"
+    assert "DistBackendError" in verdict.message and "NCCL" in verdict.reason
+
+
+def test_cudnn_not_supported_is_an_oom_only_with_memory_evidence() -> None:
+    # Constructed: PyTorch's cuDNN v8 path warns "Plan failed with an OutOfMemoryError" for each
+    # plan whose workspace did not fit before giving up; the fatal line is pytorch#11065's.
+    fatal = "RuntimeError: cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+    warning = (
+        "/usr/lib/python3/site-packages/torch/nn/modules/conv.py:456: UserWarning: Plan failed with an OutOfMemoryError: "
+        "CUDA out of memory. Tried to allocate 3.00 GiB. (Triggered internally at ../aten/src/ATen/native/cudnn/Conv_v8.cpp:924.)"
+    )
+    traceback = 'Traceback (most recent call last):\n  File "train.py", line 10, in <module>\n    loss.backward()\n'
+    assert read_oom(traceback + fatal).kind == "not_oom"
+    with_evidence = read_oom(warning + "\n  return F.conv2d(input, weight, bias)\n" + traceback + fatal)
+    assert with_evidence.kind == "oom" and "workspace" in with_evidence.reason
+    # A warning from long before the traceback (another step) is no evidence for this error.
+    old = warning + "\n" + "Steps: 1%|\n" * 100 + traceback + fatal
+    assert read_oom(old).kind == "not_oom"
+
+
+def test_nccl_failing_to_allocate_is_an_oom() -> None:
+    # Constructed: the shape of NVIDIA/nccl#1410 with the CUDA failure NCCL logs in NVIDIA/nccl#1235.
+    text = (
+        "[rank3]: torch.distributed.DistBackendError: NCCL error in: ../torch/csrc/distributed/c10d/NCCLUtils.hpp:275, "
+        "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.20.5\n"
+        "[rank3]: ncclUnhandledCudaError: Call to CUDA function failed.\n"
+        "[rank3]: Last error:\n"
+        "[rank3]: Cuda failure 'out of memory'\n"
+    )
+    verdict = read_oom(text)
+    assert verdict.kind == "oom" and verdict.device == "cuda" and "NCCL" in verdict.reason
+
+
+def test_text_without_an_error() -> None:
+    verdict = read_oom("Steps: 100%|██████████| 400/400 [08:12<00:00,  1.23s/it, loss=0.0531]\nsaved final model\n")
+    assert verdict == OomVerdict(kind="not_oom", reason="no error found in the text")
+
+
+def test_the_emulated_device_message_reads_back_exactly() -> None:
+    from oomguard.jobs.device_memory import cuda_oom_message
+
+    for requested, total, free, allocated, reserved in [
+        (4 * 2**20, 100 * 2**20, 3879731, 100 * 2**20 - 3879731, 100 * 2**20 - 3879731),
+        (36 * 2**20, 200 * 2**20, 0, 172 * 2**20, 200 * 2**20),
+        (512, 48 * 2**20, 1024, 48 * 2**20 - 1024, 48 * 2**20 - 1024),
+    ]:
+        message = cuda_oom_message(requested=requested, total=total, free=free, allocated=allocated, reserved=reserved, device_index=1)
+        verdict = read_oom(message)
+        assert verdict.gpu_index == 1 and verdict.device == "cuda"
+        figures = verdict.memory_figures()
+        # c10's format rounds to two decimals of the unit it picks.
+        for read, true in [(figures.requested, requested), (figures.total, total), (figures.free, free),
+                           (figures.allocated, allocated), (figures.reserved, reserved)]:
+            assert read is not None and abs(read - true) <= max(true, 1024) * 0.0001 + 0.005 * 2**20
+        assert verdict.kind == ("oom_fragmentation" if reserved - allocated >= requested else "oom")
+
+
+@pytest.mark.parametrize(
+    ("number", "unit", "binary_kb", "expected"),
+    [
+        ("20.00", "MiB", False, 20 * 2**20),
+        ("7.79", "GiB", False, round(Decimal("7.79") * 2**30)),
+        ("123456", "bytes", False, 123456),
+        ("0", "bytes", False, 0),
+        ("1024.00", "KiB", False, 2**20),
+        ("1.00", "TiB", False, 2**40),
+        ("1.2", "GB", True, round(Decimal("1.2") * 2**30)),  # MPS: 1024-based, labelled GB
+        ("1.2", "GB", False, 1_200_000_000),
+        ("768.00", "MB", True, 768 * 2**20),
+        ("5", "KB", False, 5000),
+        ("3206250496", "B", False, 3206250496),
+    ],
+)
+def test_size_bytes(number: str, unit: str, binary_kb: bool, expected: int) -> None:
+    assert size_bytes(number, unit, binary_kb=binary_kb) == expected
+
+
+def test_describe_size() -> None:
+    assert [describe_size(n) for n in (None, 0, 1023, 2048, 5 * 2**20, 3 * 2**30 // 2)] == [
+        "?", "0 bytes", "1023 bytes", "2.00 KiB", "5.00 MiB", "1.50 GiB",
+    ]
+
+
+def test_read_oom_log_reads_the_tail_of_a_big_file(tmp_path: Path) -> None:
+    expect, text = load(MESSAGES / "cuda_old_format.txt")
+    log = tmp_path / "output.log"
+    log.write_text("RuntimeError: an early error that is cut off\n" + "x" * 100_000 + "\n" + text)
+    assert read_oom_log(log, max_bytes=4096).kind == "oom"
+    assert read_oom_log(log).kind == "oom"
+    with pytest.raises(OSError):
+        read_oom_log(tmp_path / "missing.log")
+
+
+# The CLI ------------------------------------------------------------------------------------
+
+
+def oomguard(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).parent / "oomguard"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "oomguard.daemon.cli"]
+    return subprocess.run([*command, *args], input=stdin, capture_output=True, text=True, timeout=60)
+
+
+def log_file(tmp_path: Path, fixture: str) -> Path:
+    path = tmp_path / f"{fixture}.log"
+    path.write_text(load(MESSAGES / f"{fixture}.txt")[1])
+    return path
+
+
+def test_diagnose_prints_the_verdict_sizes_line_and_action(tmp_path: Path) -> None:
+    result = oomguard("diagnose", str(log_file(tmp_path, "cuda_new_format_fragmentation")))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("verdict: out of device memory: fragmentation (cuda:0)")
+    assert "reserved but unallocated" in out and "194.87 MiB" in out and "23.65 GiB" in out
+    assert "error: torch.cuda.OutOfMemoryError: CUDA out of memory. Tried to allocate 22.00 MiB." in out
+    assert "allocator rung" in out and "expandable_segments" in out
+
+
+@pytest.mark.parametrize(
+    ("fixture", "words"),
+    [
+        ("cuda_new_format_other_process", "wait for the other processes' memory"),
+        ("cuda_old_format", "cheapest allowed rung of the ladder"),
+        ("host_kernel_oom_killer", "host RAM ran out, not the GPU"),
+        ("illegal_memory_access", "not an out-of-memory error"),
+    ],
+)
+def test_diagnose_says_what_oomguard_does(tmp_path: Path, fixture: str, words: str) -> None:
+    result = oomguard("diagnose", str(log_file(tmp_path, fixture)))
+    assert result.returncode == 0 and words in result.stdout
+
+
+def test_diagnose_json(tmp_path: Path) -> None:
+    result = oomguard("diagnose", str(log_file(tmp_path, "cuda_new_format_other_process")), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["kind"] == "oom_other_process"
+    assert data["requested"] == 750 * 2**20
+    assert data["other_processes"] == {"2493055": round(Decimal("12.02") * 2**30)}
+    assert data["reserved"] == data["allocated"] + data["reserved_unallocated"]
+
+
+def test_diagnose_reads_standard_input() -> None:
+    result = oomguard("diagnose", "-", "--json", stdin="RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`\n")
+    assert result.returncode == 0 and json.loads(result.stdout)["kind"] == "oom"
+
+
+def test_diagnose_refuses_a_missing_file_with_the_fix(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.log"
+    result = oomguard("diagnose", str(missing))
+    assert result.returncode == 2
+    assert str(missing) in result.stderr and "no such file" in result.stderr and "- to read standard input" in result.stderr
+    result = oomguard("diagnose", str(tmp_path))
+    assert result.returncode == 2 and "is a directory" in result.stderr
+
+
+# The supervisor: a runner that died without outcome.json ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fixture", "returncode", "kind"),
+    [
+        ("host_kernel_oom_killer", -9, "host_oom"),
+        ("cuda_new_format", 1, "oom"),
+        ("cuda_new_format_fragmentation", 1, "oom"),
+        ("illegal_memory_access", 1, "crashed"),
+        ("python_error", None, "crashed"),
+    ],
+)
+def test_an_unreported_end_is_read_from_the_output(tmp_path: Path, fixture: str, returncode: int | None, kind: str) -> None:
+    (tmp_path / "output.log").write_text("attempt 1 of job tiny: plan mb=8x1\n" + load(MESSAGES / f"{fixture}.txt")[1])
+    outcome = outcome_without_report(tmp_path, returncode)
+    assert outcome.kind == kind
+    assert outcome.exit_code == returncode
+    if kind == "oom":
+        verdict = read_oom(load(MESSAGES / f"{fixture}.txt")[1])
+        assert outcome.memory == verdict.memory_figures() and outcome.memory.requested is not None
+        assert "CUDA out of memory" in outcome.message
+    if kind == "crashed":
+        assert outcome.traceback_tail  # the error the output ends with, for the report
+
+
+def test_an_unreported_end_without_output_keeps_the_exit_status(tmp_path: Path) -> None:
+    assert outcome_without_report(tmp_path, -9).message == "the runner was killed by SIGKILL before it could report"
+    (tmp_path / "output.log").write_text("attempt 1 of job tiny: plan mb=8x1\n")
+    assert outcome_without_report(tmp_path, 3).kind == "oom"  # the runner's own exit code for an OOM
+    assert outcome_without_report(tmp_path, None).kind == "crashed"
