@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test install clean
+.PHONY: demo test bench install clean
 
 install: $(STAMP)
 
@@ -38,6 +38,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The ladder benchmark (bench/ladder.py): oomguard and accelerate's find_executable_batch_size
+# against the best plan there is, on the jobs in bench/jobs/ under emulated caps. About ten
+# minutes on 2 cores; results in bench/results/ (ladder.md, ladder.json, ladder.png).
+bench: install
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/python bench/ladder.py
 
 clean:
 	rm -rf $(VENV) demo-workdir .pytest_cache

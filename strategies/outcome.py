@@ -35,7 +35,9 @@ def format_bytes(n: int | None) -> str:
         return "?"
     if n < 2**20:
         return f"{n / 2**10:.1f} KiB"
-    return f"{n / 2**20:.1f} MiB"
+    if n < 2**30:
+        return f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.2f} GiB"
 
 
 @dataclass(frozen=True)

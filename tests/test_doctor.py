@@ -95,11 +95,11 @@ def test_is_fragmentation(memory, expected):
         (Outcome(kind="oom", step=0), "out of memory at step 0"),
         (
             oom(step=12, phase="forward", requested=64 * MiB, allocated=900 * MiB, total=1024 * MiB),
-            "out of memory in forward at step 12: tried to allocate 64.0 MiB with 900.0 MiB of 1024.0 MiB in use",
+            "out of memory in forward at step 12: tried to allocate 64.0 MiB with 900.0 MiB of 1.00 GiB in use",
         ),
         (
             oom(step=3, phase="optimizer", breakdown={"parameters": 100 * MiB, "optimizer_state": 200 * MiB, "activations": 50 * MiB}),
-            "out of memory in optimizer at step 3: tried to allocate 64.0 MiB with 900.0 MiB of 1024.0 MiB in use;"
+            "out of memory in optimizer at step 3: tried to allocate 64.0 MiB with 900.0 MiB of 1.00 GiB in use;"
             " largest consumer: optimizer_state (200.0 MiB)",
         ),
         (
@@ -114,7 +114,7 @@ def test_describe_oom(outcome, expected):
     assert "  " not in text
 
 
-@pytest.mark.parametrize(("n", "expected"), [(None, "?"), (0, "0.0 KiB"), (96 * 1024, "96.0 KiB"), (MiB, "1.0 MiB"), (1536 * 1024, "1.5 MiB"), (4096 * MiB, "4096.0 MiB")])
+@pytest.mark.parametrize(("n", "expected"), [(None, "?"), (0, "0.0 KiB"), (96 * 1024, "96.0 KiB"), (MiB, "1.0 MiB"), (1536 * 1024, "1.5 MiB"), (1023 * MiB, "1023.0 MiB"), (24 * 1024 * MiB, "24.00 GiB")])
 def test_format_bytes(n, expected):
     assert format_bytes(n) == expected
 

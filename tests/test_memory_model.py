@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from oomguard.strategies import planner
@@ -129,9 +131,11 @@ def test_the_planner_takes_the_fastest_plan_that_fits_not_the_smallest_step():
     choice = planner.choose(BASE, candidates, model, capacity)
     assert choice is not None
     assert choice.plan.gradient_checkpointing and choice.plan.micro_batch > 7, choice
-    # Without checkpointing allowed: the largest micro-batch that fits.
+    # Without checkpointing allowed: as few slices as the largest micro-batch that fits
+    # needs, each as small as that number of slices allows (the lowest peak at that speed).
     choice = planner.choose(BASE, planner.candidate_plans(BASE, ("micro_batch",)), model, capacity)
-    assert choice.plan == BASE.replace(micro_batch=model.largest_micro_batch(BASE, capacity))
+    slices = math.ceil(BATCH / model.largest_micro_batch(BASE, capacity))
+    assert choice.plan == BASE.replace(micro_batch=math.ceil(BATCH / slices))
 
 
 def test_an_exact_plan_wins_over_a_faster_approximate_one():
@@ -152,14 +156,15 @@ def oom_at(plan: Plan, capacity: int, step: int = 3) -> Outcome:
     return Outcome(kind="oom", step=step, phase="forward", memory=figures, plan=plan, measurements=(oom,))
 
 
-def test_the_doctor_jumps_straight_to_the_largest_micro_batch_that_fits():
+def test_the_doctor_jumps_straight_to_the_fewest_slices_that_fit():
     capacity = int(peak(5) / (1 - MARGIN_MEASURED)) + 1
     measured = Outcome(kind="interrupted", plan=BASE, measurements=(ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))))
     outcome = oom_at(BASE, capacity)
     history = [PastAttempt(BASE, measured), PastAttempt(BASE, outcome)]
     decision = decide(outcome, BASE, history, Policy(allow=("micro_batch",), initial=BASE))
     assert isinstance(decision, NextPlan)
-    assert decision.plan.micro_batch == 5, decision
+    # Micro-batch 5 is the largest that fits; 4 takes as many slices (four) with a lower peak.
+    assert decision.plan.micro_batch == 4 and decision.plan.grad_accum == 4, decision
     assert "predicted peak" in decision.reason
 
 
