@@ -216,6 +216,18 @@ class EmulatedDevice:
             added += nbytes
         return added
 
+    def move_in(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Tensors made on the host arrive on the device (``model.to(device)``): counted one
+        storage at a time, and refused with an OOM like any allocation when one does not fit."""
+        for t in tensors:
+            st = _storage(t)
+            if st is None or id(st) in self._tracked:
+                continue
+            nbytes = st.nbytes()
+            if self._capacity is not None and self._live + nbytes > self._capacity:
+                self._refuse(nbytes, self._capacity)
+            self._add(st, nbytes)
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Ops inside are not counted (host-side work: data loading, serialization).

@@ -111,18 +111,21 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                 plan = probed.plan
                 say(probed.reason)
             control.phase = "setup"
-            training = build_training(trainer, job, plan, device)
-            if latest is not None:
+            if latest is None:
+                training = build_training(trainer, job, plan, device, memory)
+                say("no checkpoint: starting at step 0")
+            else:
                 with memory.paused():
-                    training.model.load_state_dict(train_state.load_model_state(latest.path))
+                    weights = train_state.load_weights(latest.path, Plan.from_dict(latest.plan))
+                training = build_training(trainer, job, plan, device, memory, weights)
+                del weights
+                with memory.paused():
                     train_state.load_rest(
                         latest.path, optimizer=training.optimizer, lr_scheduler=training.lr_scheduler, scaler=training.scaler, plan=plan, say=say
                     )
-                memory.track([*training.model.parameters(), *training.device_tensors()["optimizer_state"]])
+                memory.track(training.device_tensors()["optimizer_state"])
                 progress.step = progress.last_checkpoint = progress.resumed_from = latest.step
                 say(f"resumed from checkpoint at step {latest.step} ({latest.path.name})")
-            else:
-                say("no checkpoint: starting at step 0")
 
             def save_checkpoint() -> None:
                 assert training is not None
@@ -132,7 +135,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                 def write_state(directory: Path) -> None:
                     train_state.save(
                         directory,
-                        model_state=current.model.state_dict(),
+                        weights=current.weights(),
                         optimizer=current.optimizer,
                         lr_scheduler=current.lr_scheduler,
                         scaler=current.scaler,
@@ -199,7 +202,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
 
             control.phase = "checkpoint"
             with memory.paused():
-                _save_final(trainer, training.model, config.workdir / "final")
+                _save_final(trainer, training.final_model(), config.workdir / "final")
             say(f"finished: {progress.step} steps; final model in {config.workdir / 'final'}")
             return ended(Outcome(kind="finished", step=progress.step))
     except torch.OutOfMemoryError as error:

@@ -41,6 +41,8 @@ class DeviceMemory:
         self.schedule = schedule
         self.device = device
         self.emulated: EmulatedDevice | None = None
+        # The cap now in force on a real GPU (set_per_process_memory_fraction), if any.
+        self.limit: int | None = None
         if schedule is not None and device.type != "cuda":
             self.emulated = EmulatedDevice(capacity=schedule.limit_at(0), groups=groups)
 
@@ -58,6 +60,7 @@ class DeviceMemory:
         if self.schedule is None:
             return
         limit = self.schedule.limit_at(step)
+        self.limit = limit
         if self.emulated is not None:
             self.emulated.capacity = limit
         elif limit is not None:
@@ -69,14 +72,23 @@ class DeviceMemory:
         if self.emulated is not None:
             return self.emulated.capacity
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            return total
+            # What this process can have now: the free memory and what it holds already
+            # (neighbours' memory is not ours to plan with), within the cap if one is set.
+            free, _ = torch.cuda.mem_get_info(self.device)
+            available = free + torch.cuda.memory_reserved(self.device)
+            return min(available, self.limit) if self.limit is not None else available
         return None
 
     def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Count tensors made outside the tracker (loaded checkpoints) as on the device."""
         if self.emulated is not None:
             self.emulated.track(t for t in tensors if t is not None)
+
+    def move_in(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count tensors that the runner built on the host and just moved to the device; an
+        OOM when they do not fit, as ``.to(device)`` raises on a GPU."""
+        if self.emulated is not None:
+            self.emulated.move_in(tensors)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Host-side work (loading images, writing checkpoints) that a GPU run does off the card."""
@@ -117,13 +129,15 @@ class DeviceMemory:
                 breakdown=dict(info.breakdown),
             )
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
+            free, _ = torch.cuda.mem_get_info(self.device)
             return MemoryFigures(
                 requested=requested_bytes(message),
                 allocated=torch.cuda.memory_allocated(self.device),
                 reserved=torch.cuda.memory_reserved(self.device),
                 free=free,
-                total=total,
+                total=self.capacity(),
+                # Counted since the process started: the runner is one attempt.
+                alloc_retries=torch.cuda.memory_stats(self.device).get("num_alloc_retries"),
             )
         return MemoryFigures(requested=requested_bytes(message))
 

@@ -40,7 +40,7 @@ def measure(trainer: Any, job: JobSpec, plan: Plan, device: torch.device, memory
     training: Training | None = None
     failure: Measurement | None = None
     try:
-        training = build_training(trainer, job, plan, device)
+        training = build_training(trainer, job, plan, device, memory)
         for _ in range(warm_steps):
             one_step(trainer, training, 0, memory, control)
         memory.reset_peak()

@@ -9,6 +9,7 @@ writing ``outcome.json`` and exiting with one of the codes in strategies/outcome
 
 from __future__ import annotations
 
+import logging
 import signal
 import sys
 import traceback
@@ -60,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
 
+    # bitsandbytes (the 8-bit optimizer and quantized base) logs a warning on import when an
+    # optional faster 4-bit CPU kernel is not installed; it works without it, and the warning
+    # would otherwise open every job log.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     # Imported after the cheap checks: torch takes seconds to import.
     from oomguard.jobs.loop import train
 

@@ -1,10 +1,10 @@
 """What a checkpoint holds, written and read so that any plan can resume any other plan's
-checkpoint: the model's weights by name, the optimizer state tagged with the optimizer that
-wrote it, the LR scheduler, the grad scaler and the RNG states.
+checkpoint: the model's weights by name (for a LoRA run: its frozen base in full precision
+and the adapters apart), the optimizer state in torch AdamW's format (every optimizer of
+jobs.optimizers reads and writes it), the LR scheduler, the grad scaler and the RNG states.
 
-Exact rungs (micro-batch, checkpointing, attention, optimizer offload) load everything.
-A change of optimizer or of what is trained (8-bit AdamW, LoRA) cannot carry the old moments
-over: those rungs are approximate, and the new optimizer starts with fresh state.
+Every rung but LoRA loads everything. Taking LoRA changes what is trained: the adapters
+start fresh (they add nothing at first) and so does their optimizer state.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
+from oomguard.jobs.training import ModelWeights
 from oomguard.strategies.plan import Plan
 
 MODEL = "model.safetensors"
+ADAPTERS = "adapters.safetensors"
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 SCALER = "scaler.pt"
@@ -28,15 +30,15 @@ TRAINER_STATE = "trainer_state.json"
 
 
 def optimizer_kind(plan: Plan) -> dict[str, Any]:
-    """What decides whether saved optimizer state fits a plan's optimizer (offload does not:
-    the offloaded AdamW keeps torch AdamW's state format)."""
-    return {"optimizer": plan.optimizer, "lora_rank": plan.lora_rank}
+    """What decides whether saved optimizer state fits a plan's optimizer: the parameters it
+    trains (offload and the 8-bit optimizer keep AdamW's format)."""
+    return {"lora_rank": plan.lora_rank}
 
 
 def save(
     directory: Path,
     *,
-    model_state: dict[str, torch.Tensor],
+    weights: ModelWeights,
     optimizer: torch.optim.Optimizer,
     lr_scheduler: Any,
     scaler: torch.amp.GradScaler | None,
@@ -46,7 +48,9 @@ def save(
 ) -> None:
     from safetensors.torch import save_file
 
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(directory / MODEL))
+    save_file(_host(weights.base), str(directory / MODEL))
+    if weights.adapters is not None:
+        save_file(_host(weights.adapters), str(directory / ADAPTERS))
     torch.save({"kind": optimizer_kind(plan), "state": optimizer.state_dict()}, directory / OPTIMIZER)
     torch.save(lr_scheduler.state_dict(), directory / SCHEDULER)
     if scaler is not None:
@@ -58,10 +62,16 @@ def save(
     (directory / TRAINER_STATE).write_text(json.dumps({"step": step, "job": job_name}))
 
 
-def load_model_state(directory: Path) -> dict[str, torch.Tensor]:
+def _host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous().cpu() for k, v in state.items()}
+
+
+def load_weights(directory: Path, plan: Plan) -> ModelWeights:
+    """The model weights of the checkpoint in ``directory``, written under ``plan``."""
     from safetensors.torch import load_file
 
-    return load_file(str(directory / MODEL))
+    adapters = load_file(str(directory / ADAPTERS)) if (directory / ADAPTERS).exists() else None
+    return ModelWeights(base=load_file(str(directory / MODEL)), adapters=adapters, lora_rank=plan.lora_rank if adapters else None)
 
 
 def load_rest(

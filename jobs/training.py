@@ -18,6 +18,7 @@ import torch
 
 from oomguard.jobs.attempt import Control
 from oomguard.jobs.memory_cap import DeviceMemory
+from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
 from oomguard.strategies.plan import Plan
@@ -27,8 +28,14 @@ def pick_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [value for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+@dataclass(frozen=True)
+class ModelWeights:
+    """Weights to start from, on the host: the whole model's (``base``, the model's own keys)
+    and, for a LoRA run, the adapters' of rank ``lora_rank``."""
+
+    base: dict[str, torch.Tensor]
+    adapters: dict[str, torch.Tensor] | None = None
+    lora_rank: int | None = None
 
 
 @dataclass
@@ -43,6 +50,9 @@ class Training:
     scaler: torch.amp.GradScaler | None
     autocast_dtype: torch.dtype | None
     device: torch.device
+    # The frozen base weights of a LoRA run, on the host (checkpoints write them; the device
+    # may hold them quantized).
+    base_state: dict[str, torch.Tensor] | None = None
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -54,7 +64,7 @@ class Training:
         return {
             "parameters": list(self.model.parameters()),
             "gradients": [p.grad for p in self.model.parameters() if p.grad is not None],
-            "optimizer_state": optimizer_tensors(self.optimizer),
+            "optimizer_state": device_state_tensors(self.optimizer),
         }
 
     def static_bytes(self) -> dict[str, int]:
@@ -69,8 +79,22 @@ class Training:
         return {
             "parameters": total(list(self.model.parameters())),
             "trainable": sum(p.numel() * p.element_size() for p in trainable),
-            "optimizer_state": total(optimizer_tensors(self.optimizer)),
+            "optimizer_state": total(device_state_tensors(self.optimizer)),
         }
+
+    def weights(self) -> ModelWeights:
+        """What a checkpoint keeps of the model."""
+        from oomguard.jobs.adapters import adapter_state_dict
+
+        if self.base_state is None:
+            return ModelWeights(base=self.model.state_dict())
+        return ModelWeights(base=self.base_state, adapters=adapter_state_dict(self.model), lora_rank=self.plan.lora_rank)
+
+    def final_model(self) -> torch.nn.Module:
+        """The model to save_pretrained: a LoRA run's adapters merged into its base."""
+        from oomguard.jobs.adapters import merged_model
+
+        return merged_model(self.model) if self.base_state is not None else self.model
 
     def apply(self, plan: Plan) -> None:
         """Switch to ``plan``, which differs only in knobs a running process can change."""
@@ -78,19 +102,57 @@ class Training:
         self.plan = plan
 
 
-def build_training(trainer: Any, job: JobSpec, plan: Plan, device: torch.device) -> Training:
-    """Fresh model (the trainer seeds it: same initial weights every time) and optimizer."""
+def build_training(
+    trainer: Any, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, weights: ModelWeights | None = None
+) -> Training:
+    """The model (the trainer seeds it: same initial weights every time, unless ``weights``
+    are given), adapted and quantized as ``plan`` says, and its optimizer.
+
+    The model is put together on the host and then moved, so a full-precision base that the
+    plan quantizes never occupies the device.
+    """
     from diffusers.optimization import get_scheduler
 
-    model = trainer.build_model().to(device)
+    from oomguard.jobs.adapters import apply_lora, load_adapter_state_dict, quantize_base
+    from oomguard.jobs.precision import resolve_mixed_precision
+
+    base_state = None
+    with memory.paused():
+        model = trainer.build_model()
+        if weights is not None:
+            if weights.adapters is not None and weights.lora_rank != plan.lora_rank:
+                weights = _merge_adapters(trainer, weights)
+            model.load_state_dict(weights.base)
+        if plan.lora_rank is not None:
+            base_state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+            # The adapters' A matrices are random: the same seed gives the same adapters.
+            torch.manual_seed(job.train.seed)
+            apply_lora(model, plan.lora_rank)
+            if weights is not None and weights.adapters is not None:
+                load_adapter_state_dict(model, weights.adapters)
+            if plan.base_quantization is not None:
+                quantize_base(model, plan.base_quantization)
+    model = model.to(device)
+    memory.move_in(model.parameters())
     ladder.configure_model(plan, model)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=job.train.learning_rate, weight_decay=job.train.weight_decay
-    )
+    optimizer = build_optimizer(plan, model, job.train.learning_rate, job.train.weight_decay, memory)
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer=optimizer, num_warmup_steps=job.train.lr_warmup_steps)
-    autocast_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[plan.mixed_precision]
-    scaler = torch.amp.GradScaler(device.type) if plan.mixed_precision == "fp16" else None
-    return Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device)
+    precision = resolve_mixed_precision(plan.mixed_precision, device)
+    autocast_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    return Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state)
+
+
+def _merge_adapters(trainer: Any, weights: ModelWeights) -> ModelWeights:
+    """A LoRA checkpoint read by a plan with another rank (or none): merge its adapters into
+    its base, and go on from the merged weights."""
+    from oomguard.jobs.adapters import apply_lora, load_adapter_state_dict, merged_state_dict
+
+    model = trainer.build_model()
+    model.load_state_dict(weights.base)
+    apply_lora(model, weights.lora_rank)
+    load_adapter_state_dict(model, weights.adapters)
+    return ModelWeights(base=merged_state_dict(model))
 
 
 def free(training: Training | None = None) -> None:

@@ -68,12 +68,18 @@ Decision = NextPlan | Retry | GiveUp
 
 
 def is_fragmentation(memory: MemoryFigures | None) -> bool:
-    """Reserved-but-unallocated memory at least as large as the failed request: the memory is
-    there but in pieces, which expandable segments fix."""
+    """The memory is there but in pieces, which expandable segments fix: reserved-but-
+    unallocated memory at least as large as the failed request; or at least half of it while
+    the allocator had to flush its cache and retry during the attempt (a rising
+    num_alloc_retries means cached blocks kept failing to fit the requests)."""
     if memory is None or memory.requested is None:
         return False
     unallocated = memory.reserved_unallocated
-    return unallocated is not None and unallocated > 0 and unallocated >= memory.requested
+    if unallocated is None or unallocated <= 0:
+        return False
+    if unallocated >= memory.requested:
+        return True
+    return bool(memory.alloc_retries) and 2 * unallocated >= memory.requested
 
 
 def describe_oom(outcome: Outcome) -> str:

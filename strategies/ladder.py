@@ -5,14 +5,37 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from oomguard.strategies import allocator, checkpointing, micro_batch
+from oomguard.strategies import (
+    allocator,
+    attention,
+    base_quantization,
+    checkpointing,
+    lora,
+    micro_batch,
+    offload,
+    optimizer_8bit,
+    precision,
+)
 from oomguard.strategies.names import RUNG_NAMES
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.rung import Rung
 
 # Rungs that have code. A name in RUNG_NAMES without an entry here is accepted in job files but
 # never taken; the doctor's report says so.
-IMPLEMENTED: dict[str, Rung] = {r.name: r for r in (allocator.RUNG, micro_batch.RUNG, checkpointing.RUNG)}
+IMPLEMENTED: dict[str, Rung] = {
+    r.name: r
+    for r in (
+        allocator.RUNG,
+        micro_batch.RUNG,
+        checkpointing.RUNG,
+        attention.RUNG,
+        offload.RUNG,
+        precision.RUNG,
+        optimizer_8bit.RUNG,
+        lora.RUNG,
+        base_quantization.RUNG,
+    )
+}
 
 ORDER: tuple[Rung, ...] = tuple(IMPLEMENTED[name] for name in RUNG_NAMES if name in IMPLEMENTED)
 

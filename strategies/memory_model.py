@@ -298,13 +298,17 @@ class MemoryModel:
     # -- speed --------------------------------------------------------------------------
 
     def expected_samples_per_s(self, plan: Plan) -> float | None:
-        """Measured for this very plan, else from the step-time line of the closest shape."""
-        same = [m.samples_per_s for m in self.measurements if m.fits and m.samples_per_s and m.plan.replace(allocator="") == plan.replace(allocator="")]
-        if same:
-            return max(same)
+        """From the step-time line of the plan's shape when two micro-batch sizes of it were
+        timed (a single noisy timing cannot then make more slices look faster than fewer);
+        else as measured for this very plan; else from the closest timed shape."""
         timed = [m for m in self.measurements if m.fits and m.samples_per_s]
         if not timed:
             return None
+        own = [m for m in timed if shape_of(m.plan) == shape_of(plan)]
+        if len({m.plan.micro_batch for m in own}) < 2:
+            same = [m.samples_per_s for m in own if m.plan.micro_batch == plan.micro_batch]
+            if same:
+                return max(same)  # type: ignore[type-var]
         reference = min({shape_of(m.plan) for m in timed}, key=lambda other: _distance(other, plan))
         per_micro, per_sample = _time_line([m for m in timed if shape_of(m.plan) == reference])
         scale = _time_factor(plan) / _time_factor(reference)

@@ -51,6 +51,9 @@ class MemoryFigures:
     total: int | None = None
     # Bytes per consumer (parameters, gradients, optimizer_state, activations) when known.
     breakdown: dict[str, int] = field(default_factory=dict)
+    # How many times the CUDA caching allocator freed its cache and retried during the
+    # attempt (torch.cuda.memory_stats()["num_alloc_retries"]), when known.
+    alloc_retries: int | None = None
 
     @property
     def reserved_unallocated(self) -> int | None:

@@ -453,3 +453,14 @@ def test_limit_cuda_memory_makes_pytorch_itself_oom():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()
+
+
+def test_move_in_counts_host_made_tensors_and_refuses_what_does_not_fit():
+    host = [torch.zeros(1024), torch.zeros(1024)]  # 4 KiB each, made before the device was active
+    device = EmulatedDevice(capacity=6 * 1024)
+    with device:
+        device.move_in(host[:1])
+        assert device.live_bytes == 4096
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 4.00 KiB"):
+            device.move_in(host)
+        assert device.live_bytes == 4096 and device.last_oom.requested == 4096

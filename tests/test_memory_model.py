@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from oomguard.strategies import planner
-from oomguard.strategies.doctor import NextPlan, PastAttempt, Policy, decide, decide_in_process
+from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Policy, decide, decide_in_process
 from oomguard.strategies.memory_model import ACTIVATION_FACTOR, MARGIN_MEASURED, Measurement, MemoryModel, shape_of
-from oomguard.strategies.names import EXACT_RUNG_NAMES
+from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
 from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan
 
@@ -122,12 +123,12 @@ def test_candidates_cover_every_micro_batch_of_every_reachable_shape():
 
 
 def test_the_planner_takes_the_fastest_plan_that_fits_not_the_smallest_step():
-    # Checkpointing at micro-batch 16 beats micro-batch 6 without it when a step's fixed cost
-    # per micro-batch dominates.
+    # Checkpointing at a micro-batch over 7 beats micro-batch 7 without it when a step's fixed
+    # cost per micro-batch dominates.
     measurements = [timed(1, per_micro=0.1, per_sample=0.001), timed(2, per_micro=0.1, per_sample=0.001)]
     model = MemoryModel(measurements)
     capacity = int(peak(7) / (1 - 0.1))
-    candidates = planner.candidate_plans(BASE, EXACT_RUNG_NAMES)
+    candidates = planner.candidate_plans(BASE, ("micro_batch", "checkpointing"))
     choice = planner.choose(BASE, candidates, model, capacity)
     assert choice is not None
     assert choice.plan.gradient_checkpointing and choice.plan.micro_batch > 7, choice
@@ -180,3 +181,51 @@ def test_in_process_takes_only_rungs_that_need_no_restart():
 
 def test_shape_of_ignores_micro_batch_and_allocator():
     assert shape_of(BASE.replace(micro_batch=3, allocator="expandable_segments:True")) == shape_of(BASE)
+
+
+def _decide_at(capacity: int, allow: tuple[str, ...]):
+    measured = Outcome(kind="interrupted", plan=BASE, measurements=(ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))))
+    outcome = oom_at(BASE.replace(micro_batch=1), capacity)
+    history = [PastAttempt(BASE, measured), PastAttempt(BASE.replace(micro_batch=1), outcome)]
+    return decide(outcome, BASE.replace(micro_batch=1), history, Policy(allow=allow, initial=BASE))
+
+
+def test_optimizer_state_dominates_the_exact_answer_is_offload():
+    # 16 MiB of static bytes (half of it AdamW state), 5 MiB a sample: micro-batch 1 needs 22.
+    decision = _decide_at(20 * MiB, EXACT_RUNG_NAMES)
+    assert isinstance(decision, NextPlan) and decision.plan.offload == "optimizer", decision
+    assert decision.plan.optimizer == "adamw" and decision.plan.lora_rank is None
+
+
+def test_without_offload_the_8bit_optimizer_when_allowed():
+    decision = _decide_at(20 * MiB, ("micro_batch", "checkpointing", "optimizer_8bit"))
+    assert isinstance(decision, NextPlan) and decision.plan.optimizer == "adamw8bit", decision
+
+
+def test_when_only_a_rung_not_allowed_would_fit_the_report_names_it():
+    decision = _decide_at(20 * MiB, ("micro_batch", "checkpointing"))
+    assert isinstance(decision, GiveUp), decision
+    assert "offload" in decision.reason and "not allowed" in decision.reason
+    (line,) = [line for line in decision.report.splitlines() if "[ladder] allow = " in line]
+    allow = json.loads(line.split("allow = ", 1)[1])
+    assert allow[:2] == ["micro_batch", "checkpointing"] and "offload" in allow, line
+    # Only the rungs the fitting plan needs are suggested, not every rung there is.
+    assert "lora" not in allow and "precision" not in allow
+
+
+def test_parameters_gradients_and_state_together_lead_to_lora_when_allowed():
+    decision = _decide_at(12 * MiB, RUNG_NAMES)
+    assert isinstance(decision, NextPlan) and decision.plan.lora_rank is not None, decision
+    # The least invasive approximate rung that fits: no quantized base when LoRA is enough.
+    assert decision.plan.base_quantization is None
+
+
+def test_a_noisy_timing_never_makes_more_slices_look_faster():
+    # Micro-batch 16 happened to be timed while the machine was busy: slower per sample than 1.
+    slow_full = ran(BASE, samples_per_s=5.0)
+    fast_single = ran(BASE.replace(micro_batch=1), samples_per_s=6.0)
+    model = MemoryModel([fast_single, slow_full])
+    speeds = [model.expected_samples_per_s(BASE.replace(micro_batch=size)) for size in (1, 2, 4, 8, 16)]
+    assert speeds == sorted(speeds)
+    choice = planner.choose(BASE, planner.candidate_plans(BASE, ("micro_batch",)), model, 1000 * MiB)
+    assert choice is not None and choice.plan == BASE
