@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import TINY_CAP, oomguard, tiny_job, wait_for
+from tests.jobs_helpers import TINY_JOB
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +42,29 @@ def test_submitted_job_recovers_from_oom_in_process_and_finishes(tmp_path: Path,
     assert "tiny" in status and "finished" in status
     logs = oomguard("logs", "1", state_dir=daemon.state_dir, check=True).stdout
     assert "probe: start at [mb=8x1]" in logs and "out of memory in" in logs and "at step 5; in-process" in logs
+
+
+def test_an_oom_only_a_new_process_can_fix_ends_the_attempt_and_the_next_one_resumes(tmp_path: Path, daemon_factory) -> None:
+    # A wide, low-resolution UNet: parameters, gradients and AdamW state (~10 MiB) dwarf the
+    # activations, so no micro-batch fits once the device shrinks to 8 MiB at step 5; moving
+    # the optimizer state to the host does, and that needs a new process.
+    text = TINY_JOB.format(name="wide", batch_size=2, max_steps=8, checkpoint_every_steps=4, keep_checkpoints=2)
+    text = text.replace("[8, 16]", "[32, 64]").replace("norm_num_groups = 4", "norm_num_groups = 8").replace("resolution = 16", "resolution = 8")
+    job = tmp_path / "wide.toml"
+    job.write_text(text + '\n[ladder]\nallow = ["micro_batch", "offload"]\n')
+    daemon = daemon_factory("--emulate-device-memory", "64MiB,8MiB@5")
+    oomguard("submit", str(job), state_dir=daemon.state_dir, check=True)
+
+    record = daemon.wait_job("wide")
+
+    assert record["state"] == "finished", record["result"]
+    first, second = record["attempts"]
+    assert first["outcome"]["kind"] == "oom" and first["outcome"]["step"] == 5
+    assert first["outcome"]["recoveries"] == []  # nothing the running process could switch to
+    assert "offload" in second["rung"] and "predicted peak" in second["reason"]
+    assert second["plan"]["offload"] == "optimizer"
+    assert second["outcome"]["resumed_from"] == 5
+    assert second["outcome"]["kind"] == "finished" and second["outcome"]["step"] == 8
 
 
 def test_stopping_and_restarting_the_daemon_loses_nothing(tmp_path: Path, daemon_factory) -> None:
