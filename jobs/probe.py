@@ -25,7 +25,7 @@ from oomguard.strategies.memory_model import Measurement, MemoryModel, shape_of
 from oomguard.strategies.plan import Plan
 
 # Plans measured at most; each costs two steps of a fresh model.
-MAX_PROBED_PLANS = 5
+MAX_PROBED_PLANS = 6
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,14 @@ def run_probe(
         return ProbeResult(start, (), "no memory limit known (no GPU and no emulated cap): nothing to probe against")
     candidates = planner.candidate_plans(origin, policy.allow)
     measurements: list[Measurement] = []
-    smallest = min((p for p in candidates if shape_of(p) == shape_of(start)), key=lambda p: p.micro_batch, default=start)
-    next_plan: Plan | None = smallest
+
+    def cheapest_of_its_shape(plan: Plan, failed: set[Plan]) -> Plan:
+        """Trust a shape that never ran only after measuring its cheapest step."""
+        if any(m.fits and shape_of(m.plan) == shape_of(plan) for m in measurements):
+            return plan
+        return min((p for p in candidates if shape_of(p) == shape_of(plan) and p not in failed), key=lambda p: p.micro_batch)
+
+    next_plan: Plan | None = cheapest_of_its_shape(start, set())
     while next_plan is not None and len(measurements) < MAX_PROBED_PLANS:
         measured = measure(trainer, job, next_plan, device, memory, control)
         measurements.append(measured)
@@ -96,21 +102,23 @@ def run_probe(
         say(f"probe: [{next_plan.short()}] {verdict} (capacity {capacity / 2**20:.1f} MiB)")
         model = MemoryModel(measurements)
         failed = {m.plan for m in measurements if not m.fits}
-        choice = planner.choose(origin, [p for p in candidates if p not in failed], model, capacity)
-        if choice is None:
-            break
         ran = {m.plan for m in measurements if m.fits}
-        if choice.plan in ran:
-            return ProbeResult(choice.plan, tuple(measurements), f"probe: start at {choice.summary(capacity)}")
-        # Trust a plan of a shape that never ran only after measuring that shape's cheapest
-        # step; trust a micro-batch only after measuring it.
-        shape_ran = any(shape_of(p) == shape_of(choice.plan) for p in ran)
-        next_plan = choice.plan if shape_ran else min(
-            (p for p in candidates if shape_of(p) == shape_of(choice.plan) and p not in failed),
-            key=lambda p: p.micro_batch,
-        )
+        open_plans = [p for p in candidates if p not in failed]
+        safe = planner.choose(origin, open_plans, model, capacity)
+        # A plan that would beat the best safe one and could fit at all is worth a step to
+        # find out (the safety margins are for plans nobody measured).
+        hopeful = planner.choose(origin, [p for p in open_plans if p not in ran], model, capacity, optimistic=True)
+        if hopeful is not None and (safe is None or planner.rank(model, origin, hopeful.plan) < planner.rank(model, origin, safe.plan)):
+            next_plan = cheapest_of_its_shape(hopeful.plan, failed)
+        elif safe is not None and safe.plan not in ran:
+            next_plan = cheapest_of_its_shape(safe.plan, failed)
+        elif safe is not None:
+            return ProbeResult(safe.plan, tuple(measurements), f"probe: start at {safe.summary(capacity)}")
+        else:
+            next_plan = None
     fitting = [m for m in measurements if m.fits]
     if fitting:
-        best = max(fitting, key=lambda m: (m.samples_per_s or 0.0))
+        model = MemoryModel(measurements)
+        best = min(fitting, key=lambda m: planner.rank(model, origin, m.plan))
         return ProbeResult(best.plan, tuple(measurements), f"probe: start at [{best.plan.short()}], the fastest plan measured")
     return ProbeResult(start, tuple(measurements), "probe: nothing measured fits; starting with the job's plan and the ladder")

@@ -87,32 +87,37 @@ def faithfulness(start: Plan, plan: Plan) -> int:
     return 1 + max(approximate) if approximate else 0
 
 
+def rank(model: MemoryModel, start: Plan, plan: Plan) -> tuple[float, ...]:
+    """Sort key of plans that fit: smaller is better."""
+    speed = model.expected_samples_per_s(plan)
+    peak = model.predicted_peak(plan)
+    # Without timings, fewer micro-batches are faster. Between plans equally fast (e.g.
+    # micro-batch 8 and 9 of 16 both take two slices), the lower peak keeps more margin.
+    return (
+        faithfulness(start, plan),
+        -(speed if speed is not None else 0.0),
+        plan.grad_accum,
+        peak if peak is not None else 0.0,
+        len(rungs_between(start, plan)),
+    )
+
+
 def choose(
     start: Plan,
     candidates: Iterable[Plan],
     model: MemoryModel,
     capacity: int,
+    *,
+    optimistic: bool = False,
 ) -> Choice | None:
     """The most faithful, then fastest, candidate the model says fits; None if none does
-    (or the model knows too little to say)."""
-    fitting = [plan for plan in candidates if model.fits(plan, capacity)]
+    (or the model knows too little to say). ``optimistic``: could fit at all (the probe's
+    question before it measures a plan)."""
+    fitting = [plan for plan in candidates if model.fits(plan, capacity, optimistic=optimistic)]
     if not fitting:
         return None
 
-    def rank(plan: Plan) -> tuple[float, ...]:
-        speed = model.expected_samples_per_s(plan)
-        peak = model.predicted_peak(plan)
-        # Without timings, fewer micro-batches are faster. Between plans equally fast (e.g.
-        # micro-batch 8 and 9 of 16 both take two slices), the lower peak keeps more margin.
-        return (
-            faithfulness(start, plan),
-            -(speed if speed is not None else 0.0),
-            plan.grad_accum,
-            peak if peak is not None else 0.0,
-            len(rungs_between(start, plan)),
-        )
-
-    best = min(fitting, key=rank)
+    best = min(fitting, key=lambda plan: rank(model, start, plan))
     return Choice(
         plan=best,
         rungs=rungs_between(start, best),

@@ -36,6 +36,7 @@ from tests.jobs_helpers import (
 )
 from oomguard.jobs import checkpoints
 from oomguard.jobs.attempt import HEARTBEAT, OUTCOME
+from oomguard.strategies.plan import Plan
 from oomguard.strategies.outcome import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_OOM, EXIT_USAGE, Outcome
 
 MAX_STEPS = 12
@@ -241,8 +242,11 @@ def test_oom_in_process_reruns_the_step_with_a_smaller_micro_batch_and_recompute
     assert f"out of memory in forward at step {OOM_STEP}" in result.stdout or f"out of memory in backward at step {OOM_STEP}" in result.stdout
     (recovery,) = outcome.recoveries
     assert recovery["step"] == OOM_STEP and recovery["from"]["micro_batch"] == 8
-    assert 1 <= recovery["to"]["micro_batch"] < 8
-    assert outcome.plan is not None and outcome.plan.micro_batch == recovery["to"]["micro_batch"]
+    to = Plan.from_dict(recovery["to"])
+    # Only what a running process can switch to; smaller activations one way or another.
+    assert (to.offload, to.optimizer, to.mixed_precision, to.lora_rank, to.allocator) == ("none", "adamw", "no", None, "")
+    assert to.micro_batch < 8 or to.gradient_checkpointing or to.attention == "sliced", to
+    assert outcome.plan == to
     # No emergency checkpoint was needed: only the regular ones.
     assert OOM_STEP not in checkpoint_steps(workdir)
     after = [m for m in result.metrics if m["step"] > OOM_STEP]
@@ -252,7 +256,7 @@ def test_oom_in_process_reruns_the_step_with_a_smaller_micro_batch_and_recompute
 
     assert losses(result.metrics) == pytest.approx(losses(baseline[0].metrics), rel=1e-5, abs=1e-6)
     worst = assert_weights_allclose(load_final(workdir), baseline_weights)
-    print(f"in-process recovery 8 -> {outcome.plan.micro_batch} at step {OOM_STEP}: max abs weight difference {worst:.3g}")
+    print(f"in-process recovery [mb=8x1] -> [{to.short()}] at step {OOM_STEP}: max abs weight difference {worst:.3g}")
 
 
 @pytest.mark.slow
