@@ -24,7 +24,7 @@ from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.probe import run_probe
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
-from oomguard.jobs.training import Training, build_training, free, one_step
+from oomguard.jobs.training import Training, build_training, free, one_step, unfit_to_continue
 from oomguard.strategies.doctor import decide_in_process
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import Outcome
@@ -110,6 +110,8 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                     recoveries.append({"step": 0, "from": plan.to_dict(), "to": probed.plan.to_dict(), "reason": probed.reason})
                 plan = probed.plan
                 say(probed.reason)
+                if probed.failure is not None:
+                    return ended(probed.failure)
             control.phase = "setup"
             if latest is None:
                 training = build_training(trainer, job, plan, device, memory)
@@ -167,7 +169,10 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                     oom = oom_outcome(error)
                 if oom is not None:
                     free(training)
-                    if oom.phase in ("data", "forward", "backward") and config.recover_in_process and len(recoveries) < MAX_RECOVERIES:
+                    leftover = unfit_to_continue(memory, training.resident_bytes())
+                    if leftover is not None:
+                        say(f"the failed step left {leftover / 2**20:.1f} MiB behind on the device: a new process must take over")
+                    elif oom.phase in ("data", "forward", "backward") and config.recover_in_process and len(recoveries) < MAX_RECOVERIES:
                         recovery = decide_in_process(training.plan, measurements + _steady(records), job.policy(), oom.memory.total if oom.memory else None)
                         if recovery is not None:
                             # Nothing of the step was applied: run the same step again.

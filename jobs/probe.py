@@ -19,9 +19,10 @@ import torch
 from oomguard.jobs.attempt import Control
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.spec import JobSpec
-from oomguard.jobs.training import Training, build_training, free, one_step
+from oomguard.jobs.training import Training, build_training, free, one_step, unfit_to_continue
 from oomguard.strategies import planner
 from oomguard.strategies.memory_model import Measurement, MemoryModel, shape_of
+from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 
 # Plans measured at most; each costs two steps of a fresh model.
@@ -33,19 +34,25 @@ class ProbeResult:
     plan: Plan
     measurements: tuple[Measurement, ...]
     reason: str
+    # When no plan measured fits: the last OOM, as the attempt's outcome (training it would
+    # only run out of memory once more).
+    failure: Outcome | None = None
 
 
-def measure(trainer: Any, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, control: Control, *, warm_steps: int = 1) -> Measurement:
-    """Build ``plan`` fresh, run ``warm_steps`` unmeasured steps and one measured step."""
+def measure(
+    trainer: Any, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, control: Control, *, warm_steps: int = 1
+) -> tuple[Measurement, Outcome | None]:
+    """Build ``plan`` fresh, run ``warm_steps`` unmeasured steps and one measured step; the
+    OOM as an Outcome too when it did not fit."""
     training: Training | None = None
-    failure: Measurement | None = None
+    failure: tuple[Measurement, Outcome] | None = None
     try:
         training = build_training(trainer, job, plan, device, memory)
         for _ in range(warm_steps):
             one_step(trainer, training, 0, memory, control)
         memory.reset_peak()
         result = one_step(trainer, training, 0, memory, control)
-        return Measurement(
+        ran = Measurement(
             plan=plan,
             fits=True,
             peak_bytes=memory.peak_bytes() or 0,
@@ -54,15 +61,19 @@ def measure(trainer: Any, job: JobSpec, plan: Plan, device: torch.device, memory
             static=training.static_bytes(),
             step=0,
         )
+        return ran, None
     except torch.OutOfMemoryError as error:
         figures = memory.oom_figures(str(error))
-        failure = Measurement(
-            plan=plan,
-            fits=False,
-            peak_bytes=(figures.allocated or 0) + (figures.requested or 0),
-            capacity=figures.total,
-            static=training.static_bytes() if training is not None else {},
-            step=0,
+        failure = (
+            Measurement(
+                plan=plan,
+                fits=False,
+                peak_bytes=(figures.allocated or 0) + (figures.requested or 0),
+                capacity=figures.total,
+                static=training.static_bytes() if training is not None else {},
+                step=0,
+            ),
+            Outcome(kind="oom", step=0, phase=control.phase, memory=figures, message=str(error)),
         )
     finally:
         # The model and optimizer die here (nothing returned holds a tensor).
@@ -94,10 +105,19 @@ def run_probe(
             return plan
         return min((p for p in candidates if shape_of(p) == shape_of(plan) and p not in failed), key=lambda p: p.micro_batch)
 
+    last_oom: Outcome | None = None
     next_plan: Plan | None = cheapest_of_its_shape(start, set())
+    clean = memory.live_bytes() or 0
     while next_plan is not None and len(measurements) < MAX_PROBED_PLANS:
-        measured = measure(trainer, job, next_plan, device, memory, control)
+        measured, oom = measure(trainer, job, next_plan, device, memory, control)
         measurements.append(measured)
+        last_oom = oom or last_oom
+        leftover = unfit_to_continue(memory, clean)
+        if oom is not None and leftover is not None:
+            # Measuring more here would measure the leftovers too; the doctor plans the next
+            # attempt, in a new process, from what was measured so far.
+            say(f"probe: the failed step left {leftover / 2**20:.1f} MiB behind on the device; stopping here")
+            return ProbeResult(start, tuple(measurements), "probe: stopped after an OOM that left memory behind", failure=oom)
         verdict = f"peak {measured.peak_bytes / 2**20:.1f} MiB" if measured.fits else "out of memory"
         say(f"probe: [{next_plan.short()}] {verdict} (capacity {capacity / 2**20:.1f} MiB)")
         model = MemoryModel(measurements)
@@ -121,4 +141,4 @@ def run_probe(
         model = MemoryModel(measurements)
         best = min(fitting, key=lambda m: planner.rank(model, origin, m.plan))
         return ProbeResult(best.plan, tuple(measurements), f"probe: start at [{best.plan.short()}], the fastest plan measured")
-    return ProbeResult(start, tuple(measurements), "probe: nothing measured fits; starting with the job's plan and the ladder")
+    return ProbeResult(start, tuple(measurements), "probe: no plan measured fits; the doctor decides from the measurements", failure=last_oom)

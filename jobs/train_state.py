@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from oomguard.jobs.optimizers import load_portable_state_dict, portable_state_dict
 from oomguard.jobs.training import ModelWeights
 from oomguard.strategies.plan import Plan
 
@@ -51,7 +52,7 @@ def save(
     save_file(_host(weights.base), str(directory / MODEL))
     if weights.adapters is not None:
         save_file(_host(weights.adapters), str(directory / ADAPTERS))
-    torch.save({"kind": optimizer_kind(plan), "state": optimizer.state_dict()}, directory / OPTIMIZER)
+    torch.save({"kind": optimizer_kind(plan), "state": portable_state_dict(optimizer)}, directory / OPTIMIZER)
     torch.save(lr_scheduler.state_dict(), directory / SCHEDULER)
     if scaler is not None:
         torch.save(scaler.state_dict(), directory / SCALER)
@@ -86,7 +87,7 @@ def load_rest(
     """Optimizer (when it fits this plan), scheduler, scaler and RNG states."""
     saved = torch.load(directory / OPTIMIZER, map_location="cpu", weights_only=False)
     if saved["kind"] == optimizer_kind(plan):
-        optimizer.load_state_dict(saved["state"])
+        load_portable_state_dict(optimizer, saved["state"])
     else:
         say(f"optimizer state was written for {saved['kind']}, this plan uses {optimizer_kind(plan)}: starting fresh optimizer state")
     lr_scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from oomguard.jobs.device_memory import EmulatedDevice
 from oomguard.jobs.memory_cap import DeviceMemory
-from oomguard.jobs.optimizers import CODES_KEY, HostOffloadedOptimizer, build_optimizer, device_state_tensors
+from oomguard.jobs.optimizers import CODES_KEY, HostOffloadedOptimizer, build_optimizer, device_state_tensors, load_portable_state_dict, portable_state_dict
 from oomguard.strategies.plan import Plan
 from tests import test_rung_memory
 from tests.test_adapters import tiny_unet
@@ -125,7 +125,7 @@ def test_offloaded_state_dict_is_adamws_and_round_trips():
     plain_scheduler, host_scheduler = warmup(plain), warmup(host)
     train(reference, plain, 2, scheduler=plain_scheduler)
     train(offloaded, host, 2, scheduler=host_scheduler)
-    a, b = plain.state_dict(), host.state_dict()
+    a, b = portable_state_dict(plain), host.state_dict()
     assert a.keys() == b.keys()
     assert a["param_groups"] == b["param_groups"]
     assert a["state"].keys() == b["state"].keys()
@@ -138,7 +138,7 @@ def test_offloaded_state_dict_is_adamws_and_round_trips():
     # offloaded -> plain AdamW on a copy of the offloaded run's weights, and plain -> offloaded
     crossed = copy.deepcopy(offloaded)
     crossed_plain = build_optimizer(PLAIN, crossed, LR, WEIGHT_DECAY, NoDevice())
-    crossed_plain.load_state_dict(copy.deepcopy(b))
+    load_portable_state_dict(crossed_plain, copy.deepcopy(b))
     host.load_state_dict(copy.deepcopy(a))
     assert host.param_groups[0]["lr"] == a["param_groups"][0]["lr"] < LR  # still warming up
     train(crossed, crossed_plain, 2, start=2)
