@@ -40,11 +40,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # The ladder benchmark (bench/ladder.py): oomguard and accelerate's find_executable_batch_size
-# against the best plan there is, on the jobs in bench/jobs/ under emulated caps. About ten
+# against the best plan there is, on the jobs in bench/jobs/ under emulated caps. About eight
 # minutes on 2 cores; results in bench/results/ (ladder.md, ladder.json, ladder.png).
 bench: install
 	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -q -e '.[test,bench]'
-	$(BIN)/python bench/ladder.py
+	$(BIN)/python bench/ladder.py --update-readme
 
 clean:
 	rm -rf $(VENV) demo-workdir .pytest_cache

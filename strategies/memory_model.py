@@ -311,22 +311,43 @@ class MemoryModel:
     # -- speed --------------------------------------------------------------------------
 
     def expected_samples_per_s(self, plan: Plan) -> float | None:
-        """From the step-time line of the plan's shape when two micro-batch sizes of it were
-        timed (a single noisy timing cannot then make more slices look faster than fewer);
-        else as measured for this very plan; else from the closest timed shape."""
+        """From the step-time line of the plan's shape (so that one noisy timing cannot make
+        more slices look faster than fewer), else from the closest timed shape's line and
+        what the knobs cost."""
         timed = [m for m in self.measurements if m.fits and m.samples_per_s]
         if not timed:
             return None
-        own = [m for m in timed if shape_of(m.plan) == shape_of(plan)]
-        if len({m.plan.micro_batch for m in own}) < 2:
-            same = [m.samples_per_s for m in own if m.plan.micro_batch == plan.micro_batch]
-            if same:
-                return max(same)  # type: ignore[type-var]
-        reference = min({shape_of(m.plan) for m in timed}, key=lambda other: _distance(other, plan))
-        per_micro, per_sample = _time_line([m for m in timed if shape_of(m.plan) == reference])
-        scale = _time_factor(plan) / _time_factor(reference)
+        shape = shape_of(plan)
+        line = self._time_line_of(shape, timed)
+        scale = 1.0
+        if line is None:
+            reference = min({shape_of(m.plan) for m in timed}, key=lambda other: _distance(other, plan))
+            line = self._time_line_of(reference, timed)
+            assert line is not None
+            scale = _time_factor(plan) / _time_factor(reference)
+        per_micro, per_sample = line
         seconds = (plan.grad_accum * per_micro + plan.per_rank_batch * per_sample) * scale
         return plan.per_rank_batch / seconds if seconds > 0 else None
+
+    def _time_line_of(self, shape: Plan, timed: list[Measurement]) -> tuple[float, float] | None:
+        """Seconds per micro-batch and per sample of ``shape``. With one timed size, the
+        split between the two is borrowed from a shape timed at two sizes (the same model
+        spends its time alike), else guessed."""
+        own = [m for m in timed if shape_of(m.plan) == shape]
+        if not own:
+            return None
+        if len({m.plan.micro_batch for m in own}) >= 2:
+            return _time_line(own)
+        lined = {shape_of(m.plan) for m in timed if len({n.plan.micro_batch for n in timed if shape_of(n.plan) == shape_of(m.plan)}) >= 2}
+        if not lined:
+            return _time_line(own)
+        reference = min(lined, key=lambda other: _distance(other, shape))
+        per_micro, per_sample = _time_line([m for m in timed if shape_of(m.plan) == reference])
+        size = own[0].plan.micro_batch
+        seconds = min(m.plan.per_rank_batch / m.samples_per_s for m in own if m.samples_per_s) / own[0].plan.grad_accum
+        predicted = per_micro + per_sample * size
+        k = seconds / predicted if predicted > 0 else 1.0
+        return per_micro * k, per_sample * k
 
 
 def _time_line(runs: Sequence[Measurement]) -> tuple[float, float]:

@@ -229,3 +229,13 @@ def test_a_noisy_timing_never_makes_more_slices_look_faster():
     assert speeds == sorted(speeds)
     choice = planner.choose(BASE, planner.candidate_plans(BASE, ("micro_batch",)), model, 1000 * MiB)
     assert choice is not None and choice.plan == BASE
+
+
+def test_a_shape_timed_at_one_size_borrows_the_split_of_a_shape_timed_at_two():
+    base = [timed(1, per_micro=0.1, per_sample=0.001), timed(2, per_micro=0.1, per_sample=0.001)]
+    checkpointed = BASE.replace(micro_batch=1, gradient_checkpointing=True)
+    slower = 1.2  # checkpointing measured 20 % slower at micro-batch 1
+    ckpt_one = ran(checkpointed, samples_per_s=BATCH / step_time(1, per_micro=0.1, per_sample=0.001, factor=slower))
+    model = MemoryModel([*base, ckpt_one])
+    expected = BATCH / step_time(16, per_micro=0.1, per_sample=0.001, factor=slower)
+    assert model.expected_samples_per_s(checkpointed.replace(micro_batch=16)) == pytest.approx(expected, rel=1e-6)
