@@ -24,7 +24,7 @@ from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.probe import run_probe
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
-from oomguard.jobs.training import Training, build_training, free, one_step, unfit_to_continue
+from oomguard.jobs.training import Training, build_training, free, one_step, oom_measurement, unfit_to_continue
 from oomguard.strategies.doctor import decide_in_process
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import Outcome
@@ -84,16 +84,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
     def oom_outcome(error: torch.OutOfMemoryError) -> Outcome:
         figures = memory.oom_figures(str(error))
         current = training.plan if training is not None else plan
-        measurements.append(
-            Measurement(
-                plan=current,
-                fits=False,
-                peak_bytes=(figures.allocated or 0) + (figures.requested or 0),
-                capacity=figures.total,
-                static=training.static_bytes() if training is not None else {},
-                step=progress.step,
-            )
-        )
+        measurements.append(oom_measurement(current, figures, training, progress.step))
         return Outcome(kind="oom", step=progress.step, phase=control.phase, memory=figures, message=str(error))
 
     metrics = (attempt_dir / METRICS).open("a")

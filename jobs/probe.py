@@ -19,7 +19,7 @@ import torch
 from oomguard.jobs.attempt import Control
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.spec import JobSpec
-from oomguard.jobs.training import Training, build_training, free, one_step, unfit_to_continue
+from oomguard.jobs.training import Training, build_training, free, one_step, oom_measurement, unfit_to_continue
 from oomguard.strategies import planner
 from oomguard.strategies.memory_model import Measurement, MemoryModel, shape_of
 from oomguard.strategies.outcome import Outcome
@@ -65,14 +65,7 @@ def measure(
     except torch.OutOfMemoryError as error:
         figures = memory.oom_figures(str(error))
         failure = (
-            Measurement(
-                plan=plan,
-                fits=False,
-                peak_bytes=(figures.allocated or 0) + (figures.requested or 0),
-                capacity=figures.total,
-                static=training.static_bytes() if training is not None else {},
-                step=0,
-            ),
+            oom_measurement(plan, figures, training, 0),
             Outcome(kind="oom", step=0, phase=control.phase, memory=figures, message=str(error)),
         )
     finally:

@@ -21,6 +21,8 @@ from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
+from oomguard.strategies.memory_model import Measurement
+from oomguard.strategies.outcome import MemoryFigures
 from oomguard.strategies.plan import Plan
 
 
@@ -159,6 +161,19 @@ def _merge_adapters(trainer: Any, weights: ModelWeights) -> ModelWeights:
     apply_lora(model, weights.lora_rank)
     load_adapter_state_dict(model, weights.adapters)
     return ModelWeights(base=merged_state_dict(model))
+
+
+def oom_measurement(plan: Plan, figures: MemoryFigures, training: Training | None, step: int) -> Measurement:
+    """An OOM as the memory model reads it: ``plan`` needed more than the bytes in use plus
+    the failed request, at the capacity of the moment."""
+    return Measurement(
+        plan=plan,
+        fits=False,
+        peak_bytes=(figures.allocated or 0) + (figures.requested or 0),
+        capacity=figures.total,
+        static=training.static_bytes() if training is not None else {},
+        step=step,
+    )
 
 
 def free(training: Training | None = None) -> None:

@@ -20,6 +20,7 @@ give both terms, and knobs scale them by factors measured on this project's trai
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,36 +104,29 @@ def shape_of(plan: Plan) -> Plan:
     return plan.replace(micro_batch=1, allocator="")
 
 
+# Which of the factors' knobs a plan has turned on.
+KNOB_IS_ON = {
+    "gradient_checkpointing": lambda plan: plan.gradient_checkpointing,
+    "sliced_attention": lambda plan: plan.attention == "sliced",
+    "half_precision": lambda plan: plan.mixed_precision != "no",
+    "offload_optimizer": lambda plan: plan.offload == "optimizer",
+    "adamw8bit": lambda plan: plan.optimizer == "adamw8bit",
+    "lora": lambda plan: plan.lora_rank is not None,
+    "base_quantization": lambda plan: plan.base_quantization is not None,
+}
+
+
+def _factor(table: dict[str, float], plan: Plan) -> float:
+    """The product of the table's factors for the knobs ``plan`` has on."""
+    return math.prod(factor for knob, factor in table.items() if KNOB_IS_ON[knob](plan))
+
+
 def _activation_factor(plan: Plan) -> float:
-    factor = 1.0
-    if plan.gradient_checkpointing:
-        factor *= ACTIVATION_FACTOR["gradient_checkpointing"]
-    if plan.attention == "sliced":
-        factor *= ACTIVATION_FACTOR["sliced_attention"]
-    if plan.mixed_precision != "no":
-        factor *= ACTIVATION_FACTOR["half_precision"]
-    if plan.lora_rank is not None:
-        factor *= ACTIVATION_FACTOR["lora"]
-    return factor
+    return _factor(ACTIVATION_FACTOR, plan)
 
 
 def _time_factor(plan: Plan) -> float:
-    factor = 1.0
-    if plan.gradient_checkpointing:
-        factor *= TIME_FACTOR["gradient_checkpointing"]
-    if plan.attention == "sliced":
-        factor *= TIME_FACTOR["sliced_attention"]
-    if plan.mixed_precision != "no":
-        factor *= TIME_FACTOR["half_precision"]
-    if plan.offload == "optimizer":
-        factor *= TIME_FACTOR["offload_optimizer"]
-    if plan.optimizer == "adamw8bit":
-        factor *= TIME_FACTOR["adamw8bit"]
-    if plan.lora_rank is not None:
-        factor *= TIME_FACTOR["lora"]
-    if plan.base_quantization is not None:
-        factor *= TIME_FACTOR["base_quantization"]
-    return factor
+    return _factor(TIME_FACTOR, plan)
 
 
 @dataclass(frozen=True)

@@ -118,6 +118,15 @@ def steady_peak(result: RunResult) -> int:
     return max(peaks[1:])
 
 
+def cap_between_micro_batch_4_and_8(measured_full, micro_batch_3) -> int:
+    """peak ~ static + per_sample * micro_batch: estimate micro-batch 4's peak from 3's and 8's,
+    and cap halfway between it and 8's."""
+    full_peak = steady_peak(measured_full[0])
+    mb3_peak = steady_peak(micro_batch_3[0])
+    mb4_estimate = mb3_peak + (full_peak - mb3_peak) / 5
+    return int((full_peak + mb4_estimate) / 2)
+
+
 # ----------------------------------------------------------------------------- 1. finishing
 
 
@@ -180,10 +189,7 @@ def test_oom_after_a_checkpoint_then_half_the_micro_batch_finishes_the_same(
 ):
     full_peak = steady_peak(measured_full[0])
     mb3_peak = steady_peak(micro_batch_3[0])
-    # peak ~ static + per_sample * micro_batch: estimate micro_batch 4's and cap between it and 8's.
-    per_sample = (full_peak - mb3_peak) / 5
-    mb4_estimate = mb3_peak + per_sample
-    cap = int((full_peak + mb4_estimate) / 2)
+    cap = cap_between_micro_batch_4_and_8(measured_full, micro_batch_3)
     schedule = f"{HUGE_CAP},{cap}B@{OOM_STEP}"
     print(f"steady peaks: mb=8 {full_peak} B, mb=3 {mb3_peak} B; cap {cap} B from step {OOM_STEP}")
 
@@ -230,10 +236,7 @@ def test_oom_after_a_checkpoint_then_half_the_micro_batch_finishes_the_same(
 def test_oom_in_process_reruns_the_step_with_a_smaller_micro_batch_and_recomputes_nothing(
     tmp_path, baseline, baseline_weights, measured_full, micro_batch_3
 ):
-    full_peak = steady_peak(measured_full[0])
-    mb3_peak = steady_peak(micro_batch_3[0])
-    per_sample = (full_peak - mb3_peak) / 5
-    cap = int((full_peak + mb3_peak + per_sample) / 2)  # between micro-batch 4's peak and 8's
+    cap = cap_between_micro_batch_4_and_8(measured_full, micro_batch_3)
     schedule = f"{HUGE_CAP},{cap}B@{OOM_STEP}"
 
     workdir = tmp_path / "work"
