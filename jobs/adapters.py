@@ -25,6 +25,7 @@ they count as parameters in the memory breakdown and checkpoints carry them.
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -168,7 +169,7 @@ class _DequantizeAndApply(torch.autograd.Function):
         return ctx.layer.input_gradient(grad_out, weight, ctx.input_shape), None
 
 
-class QuantizedLayer(nn.Module):
+class QuantizedLayer(nn.Module, abc.ABC):
     """A frozen Linear or Conv2d whose weight is kept as int8 or NF4 codes plus fp32 scales."""
 
     kind: str
@@ -193,14 +194,17 @@ class QuantizedLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _DequantizeAndApply.apply(x, self)
 
+    @abc.abstractmethod
     def apply_weight(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The layer's output for input ``x`` with the dequantized ``weight``."""
 
+    @abc.abstractmethod
     def input_gradient(self, grad_out: torch.Tensor, weight: torch.Tensor, input_shape: torch.Size) -> torch.Tensor:
-        raise NotImplementedError
+        """The gradient of the layer's input, from the gradient of its output."""
 
+    @abc.abstractmethod
     def dequantized_layer(self) -> nn.Module:
-        raise NotImplementedError
+        """A plain layer of the same kind with the dequantized weight."""
 
     def extra_repr(self) -> str:
         return f"{self.kind}, weight_shape={tuple(self.weight_shape)}"

@@ -59,7 +59,8 @@ def build_optimizer(plan: Any, model: torch.nn.Module, lr: float, weight_decay: 
     if plan.offload == "optimizer":
         return HostOffloadedOptimizer(params, lambda host: _make(plan.optimizer, host, lr, weight_decay, fused=True), memory)
     if plan.offload != "none":
-        raise NotImplementedError(f"offload {plan.offload!r} is not implemented")
+        # The offload rung only ever moves the optimizer state; parameter offload has no code.
+        raise ValueError(f"offload {plan.offload!r} is not available: oomguard offloads the optimizer state only ('optimizer')")
     # The fused AdamW kernel (one pass per parameter, CPU and CUDA) is the fastest torch has;
     # the offloaded optimizer uses it on the host too, so offload never wins on speed alone.
     return _make(plan.optimizer, params, lr, weight_decay, fused=params[0].device.type in ("cpu", "cuda"))

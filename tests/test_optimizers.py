@@ -99,7 +99,7 @@ def test_optimizes_the_trainable_parameters_in_named_order(plan):
 
 
 def test_parameter_offload_is_not_built():
-    with pytest.raises(NotImplementedError, match="params"):
+    with pytest.raises(ValueError, match="offload .params. is not available"):
         build_optimizer(PLAIN.replace(offload="params"), mlp(), LR, WEIGHT_DECAY, NoDevice())
 
 
