@@ -289,6 +289,7 @@ def _stop_on_signals(supervisor: Any) -> None:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
+    from oomguard.daemon.notify import SystemdNotifier
     from oomguard.daemon.spool import Spool
     from oomguard.daemon.supervisor import Supervisor
 
@@ -300,12 +301,22 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     )
     _stop_on_signals(supervisor)
     spool.start()
+    systemd = SystemdNotifier()
     print(f"oomguard daemon {os.getpid()} watching {state.inbox}", flush=True)
+    systemd.ready(f"watching {state.inbox}")
+    stopping_said = False
     try:
         while not (supervisor.stopping and not supervisor.active()):
             supervisor.tick()
+            systemd.tick()
+            if supervisor.stopping and not stopping_said:
+                # Attempts are checkpointing: systemd waits for them (TimeoutStopSec).
+                systemd.stopping()
+                stopping_said = True
             time.sleep(args.poll_interval)
     finally:
+        if not stopping_said:
+            systemd.stopping()
         spool.stop()
         store.close()
         lock.file.close()
