@@ -157,9 +157,23 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  attempt {attempt['number']}: [{_short_plan(attempt['plan'])}] {ended}")
         if attempt["rung"] or attempt["reason"]:
             print(f"    why: {attempt['rung'] or 'retry'}: {attempt['reason']}")
+        _print_runner_record(outcome)
     if record["report"]:
         print(record["report"])
     return EXIT_OK
+
+
+def _print_runner_record(outcome: dict[str, Any]) -> None:
+    """What the runner did on its own: rungs it took (probe, in-process) and what it measured."""
+    from oomguard.strategies.outcome import format_bytes
+
+    for change in outcome.get("recoveries") or []:
+        print(f"    step {change['step']}, in the runner: [{_short_plan(change['from'])}] -> [{_short_plan(change['to'])}]: {change['reason']}")
+    for measured in outcome.get("measurements") or []:
+        peak, capacity = format_bytes(measured["peak_bytes"]), format_bytes(measured.get("capacity"))
+        what = f"peak {peak} of {capacity}" if measured["fits"] else f"out of memory (needed more than {peak} of {capacity})"
+        speed = f", {measured['samples_per_s']:.1f} samples/s" if measured.get("samples_per_s") else ""
+        print(f"    measured [{_short_plan(measured['plan'])}]: {what}{speed}")
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

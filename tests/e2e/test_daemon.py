@@ -42,6 +42,9 @@ def test_submitted_job_recovers_from_oom_in_process_and_finishes(tmp_path: Path,
     assert "tiny" in status and "finished" in status
     logs = oomguard("logs", "1", state_dir=daemon.state_dir, check=True).stdout
     assert "probe: start at [mb=8x1]" in logs and "out of memory in" in logs and "at step 5; in-process" in logs
+    shown = oomguard("show", "1", state_dir=daemon.state_dir, check=True).stdout
+    assert "    step 5, in the runner: [mb=8x1] -> [" in shown
+    assert "    measured [mb=1x8]: peak " in shown and "out of memory (needed more than" in shown
 
 
 def test_an_oom_only_a_new_process_can_fix_ends_the_attempt_and_the_next_one_resumes(tmp_path: Path, daemon_factory) -> None:
