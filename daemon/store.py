@@ -84,7 +84,13 @@ def _create_tables(db: sqlite_utils.Database) -> None:
     db["events"].create_index(["job_id", "id"])
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_create_tables]
+def _add_recoveries_reported(db: sqlite_utils.Database) -> None:
+    # How many of the rungs a runner took itself are events already (they are reported while
+    # the attempt runs, from its heartbeat, and must not be reported again when it ends).
+    db["attempts"].add_column("recoveries_reported", int, not_null_default=0)
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_create_tables, _add_recoveries_reported]
 
 
 class Store:

@@ -23,7 +23,7 @@ from oomguard.daemon.paths import StateDir
 from oomguard.daemon.spool import Arrival, Spool
 from oomguard.daemon.store import TERMINAL_STATES, Store
 from oomguard.jobs import checkpoints
-from oomguard.jobs.attempt import LOG, OUTCOME, AttemptConfig, read_json
+from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, read_json
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
 from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, decide
@@ -224,10 +224,12 @@ class Supervisor:
                 returncode = running.process.poll()
                 if returncode is None:
                     self._enforce_stop_deadline(attempt)
+                    self._report_live_recoveries(attempt)
                     continue
             else:
                 if _process_alive(running.pid, attempt["directory"]):
                     self._enforce_stop_deadline(attempt)
+                    self._report_live_recoveries(attempt)
                     continue
                 returncode = None
             del self._running[attempt_id]
@@ -264,7 +266,7 @@ class Supervisor:
         summary = f"attempt {attempt['number']} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
         if outcome.kind == "oom" and outcome.phase:
             summary += f" in {outcome.phase}"
-        self._record_recoveries(job, outcome)
+        self._report_recoveries(attempt, list(outcome.recoveries))
         self.event(job, "attempt-ended", summary)
         self._next_step(job, outcome)
 
@@ -298,11 +300,22 @@ class Supervisor:
         elif isinstance(decision, GiveUp):
             self._end_job(job, "failed", decision.reason, report=decision.report)
 
-    def _record_recoveries(self, job: dict[str, Any], outcome: Outcome) -> None:
-        """Rungs the runner took itself (probe, in-process) are events like the daemon's."""
-        for recovery in outcome.recoveries:
-            old, new = Plan.from_dict(recovery["from"]), Plan.from_dict(recovery["to"])
-            self.event(job, "escalated", f"at step {recovery['step']}, in the runner: [{old.short()}] -> [{new.short()}]: {recovery['reason']}")
+    def _report_live_recoveries(self, attempt: dict[str, Any]) -> None:
+        heartbeat = read_json(Path(attempt["directory"]) / HEARTBEAT) or {}
+        self._report_recoveries(attempt, heartbeat.get("recoveries") or [])
+
+    def _report_recoveries(self, attempt: dict[str, Any], changes: list[dict[str, Any]]) -> None:
+        """Rungs the runner took itself (probe, in-process) are events like the daemon's, each
+        reported once: while the attempt runs, or when it ends."""
+        reported = attempt["recoveries_reported"] or 0
+        if len(changes) <= reported:
+            return
+        job = self.store.job(attempt["job_id"])
+        for change in changes[reported:]:
+            old, new = Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
+            self.event(job, "escalated", f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: {change['reason']}")
+        self.store.update_attempt(attempt["id"], recoveries_reported=len(changes))
+        attempt["recoveries_reported"] = len(changes)
 
     def _end_job(self, job: dict[str, Any], state: str, result: str, report: str | None = None) -> None:
         self.store.update_job(job["id"], state=state, ended_at=time.time(), result=result, report=report)

@@ -188,7 +188,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                     record.capacity = memory.capacity()
                     record.static = training.static_bytes()
                 progress.step += 1
-                _report(attempt_dir, metrics, progress, job.train.max_steps, result.loss, samples_per_s, memory, training.plan.short())
+                _report(attempt_dir, metrics, progress, job.train.max_steps, result.loss, samples_per_s, memory, training.plan.short(), recoveries)
                 due_by_steps = progress.step % job.train.checkpoint_every_steps == 0
                 every_seconds = job.train.checkpoint_every_seconds
                 due_by_time = every_seconds is not None and time.monotonic() - last_checkpoint_time >= every_seconds
@@ -218,7 +218,17 @@ def _steady(records: dict[Plan, PlanRecord]) -> list[Measurement]:
     ]
 
 
-def _report(attempt_dir: Path, metrics: Any, progress: Progress, max_steps: int, loss: float, samples_per_s: float, memory: DeviceMemory, plan: str) -> None:
+def _report(
+    attempt_dir: Path,
+    metrics: Any,
+    progress: Progress,
+    max_steps: int,
+    loss: float,
+    samples_per_s: float,
+    memory: DeviceMemory,
+    plan: str,
+    recoveries: list[dict[str, Any]],
+) -> None:
     record = {
         "step": progress.step,
         "max_steps": max_steps,
@@ -233,8 +243,9 @@ def _report(attempt_dir: Path, metrics: Any, progress: Progress, max_steps: int,
     metrics.flush()
     now = time.monotonic()
     # The heartbeat is a small file rewritten at most once a second (and on the last step).
+    # It carries the rungs the runner took so far, which the daemon reports while it runs.
     if now - progress.last_heartbeat >= 1.0 or progress.step == max_steps:
-        write_json_atomic(attempt_dir / HEARTBEAT, record)
+        write_json_atomic(attempt_dir / HEARTBEAT, {**record, "recoveries": recoveries})
         progress.last_heartbeat = now
         print(f"step {progress.step}/{max_steps} loss {loss:.5f} {samples_per_s:.1f} samples/s", flush=True)
 
