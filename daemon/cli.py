@@ -292,11 +292,19 @@ class _Lock:
         self.file.flush()
 
 
-def _stop_on_signals(supervisor: Any) -> None:
+def _stop_on_signals(supervisor: Any, *, stop_jobs: bool = True) -> None:
+    """SIGTERM/SIGINT: checkpoint and stop running attempts (``stop_jobs``), or leave them
+    running for the next daemon to adopt."""
+
     def handler(signum: int, frame: object) -> None:
-        if not supervisor.stopping:
-            print(f"received {signal.Signals(signum).name}: checkpointing and stopping running attempts", flush=True)
-        supervisor.stop_all()
+        name = signal.Signals(signum).name
+        if stop_jobs:
+            if not supervisor.stopping:
+                print(f"received {name}: checkpointing and stopping running attempts", flush=True)
+            supervisor.stop_all()
+        else:
+            print(f"received {name}: leaving running attempts running; the next daemon adopts them", flush=True)
+            supervisor.leave_all()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -313,14 +321,14 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     supervisor = Supervisor(
         state, store, max_parallel=args.max_parallel, emulate_device_memory=cap_schedule(args.emulate_device_memory), on_event=print_event, spool=spool
     )
-    _stop_on_signals(supervisor)
+    _stop_on_signals(supervisor, stop_jobs=args.stop_jobs)
     spool.start()
     systemd = SystemdNotifier()
     print(f"oomguard daemon {os.getpid()} watching {state.inbox}", flush=True)
     systemd.ready(f"watching {state.inbox}")
     stopping_said = False
     try:
-        while not (supervisor.stopping and not supervisor.active()):
+        while not supervisor.stopped():
             supervisor.tick()
             systemd.tick()
             if supervisor.stopping and not stopping_said:
@@ -400,6 +408,10 @@ def build_parser() -> argparse.ArgumentParser:
     daemon.add_argument(
         "--emulate-device-memory", metavar="SIZE", default=os.environ.get(EMULATE_DEVICE_MEMORY_ENV),
         help=f"emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15 (default: ${EMULATE_DEVICE_MEMORY_ENV})",
+    )
+    daemon.add_argument(
+        "--stop-jobs", action="store_true",
+        help="on SIGTERM/Ctrl-C, checkpoint and stop running attempts and requeue them (default: leave them running for the next daemon)",
     )
     daemon.add_argument("--poll-interval", type=float, default=0.5, help=argparse.SUPPRESS)
     daemon.set_defaults(handler=cmd_daemon)

@@ -97,6 +97,7 @@ class Supervisor:
         self.on_event = on_event
         self.spool = spool
         self.stopping = False
+        self.leaving = False
         self._running: dict[int, _Running] = {}
         self._adopt()
 
@@ -343,6 +344,16 @@ class Supervisor:
         for attempt in self.store.running_attempts():
             if not attempt["term_sent_at"]:
                 self._request_stop(attempt)
+
+    def leave_all(self) -> None:
+        """Stop supervising and leave running attempts running: they are in sessions of their
+        own, and the next daemon adopts them (or collects how they ended meanwhile)."""
+        self.stopping = True
+        self.leaving = True
+
+    def stopped(self) -> bool:
+        """Nothing left to wait for: attempts stopped, or left to the next daemon."""
+        return self.stopping and (self.leaving or not self.active())
 
     def job_done(self, job_id: int) -> bool:
         return self.store.job(job_id)["state"] in TERMINAL_STATES

@@ -89,7 +89,7 @@ def test_a_rung_the_runner_takes_is_an_event_while_the_attempt_still_runs(tmp_pa
 
 def test_stopping_and_restarting_the_daemon_loses_nothing(tmp_path: Path, daemon_factory) -> None:
     state_dir = tmp_path / "state"
-    daemon = daemon_factory(state_dir=state_dir)
+    daemon = daemon_factory("--stop-jobs", state_dir=state_dir)
     oomguard("submit", str(tiny_job(tmp_path, max_steps=40)), state_dir=state_dir, check=True)
     wait_for(lambda: (daemon.show("1").get("heartbeat") or {}).get("step", 0) >= 2, 90, "training to start")
 
@@ -109,6 +109,25 @@ def test_stopping_and_restarting_the_daemon_loses_nothing(tmp_path: Path, daemon
     assert record["attempts"][1]["outcome"]["step"] == 40
     kinds = [e["kind"] for e in record["events"]]
     assert kinds.count("queued") == 1 and "requeued" in kinds and kinds[-1] == "finished"
+
+
+def test_sigterm_leaves_the_attempt_running_and_the_next_daemon_adopts_it(tmp_path: Path, daemon_factory) -> None:
+    state_dir = tmp_path / "state"
+    daemon = daemon_factory(state_dir=state_dir)
+    oomguard("submit", str(tiny_job(tmp_path, max_steps=60)), state_dir=state_dir, check=True)
+    wait_for(lambda: (daemon.show("1").get("heartbeat") or {}).get("step", 0) >= 2, 90, "training to start")
+    runner_pid = daemon.show("1")["attempts"][0]["pid"]
+
+    assert daemon.stop(timeout=10) == 0  # at once: nothing to wait for
+    assert "leaving running attempts running" in daemon.output()
+    Path(f"/proc/{runner_pid}").stat()  # the runner goes on without a daemon
+    assert daemon.show("1")["state"] == "running"
+
+    restarted = daemon_factory(state_dir=state_dir)
+    record = restarted.wait_job("1")
+    assert record["state"] == "finished"
+    (attempt,) = record["attempts"]  # adopted: nothing ran twice
+    assert attempt["outcome"]["kind"] == "finished" and attempt["outcome"]["resumed_from"] is None
 
 
 def test_cancel_checkpoints_and_stops_the_job(tmp_path: Path, daemon_factory) -> None:
