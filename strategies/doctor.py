@@ -22,6 +22,14 @@ from oomguard.strategies.planner import candidate_plans, rungs_between
 # (building the model or loading its checkpoint).
 ACTIVATION_RUNGS = ("micro_batch", "checkpointing", "attention")
 
+# The rungs that shrink each consumer of the OOM breakdown.
+RUNGS_FOR_CONSUMER: dict[str, tuple[str, ...]] = {
+    "activations": (*ACTIVATION_RUNGS, "precision"),
+    "optimizer_state": ("offload", "optimizer_8bit", "lora"),
+    "gradients": ("lora",),
+    "parameters": ("lora", "base_quantization"),
+}
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -201,10 +209,15 @@ def _plan_by_numbers(
 
 
 def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy, failed: set[Plan], diagnosis: str) -> Decision:
-    """Without numbers: the cheapest allowed rung that gives a plan not yet run out of memory."""
+    """Without numbers: the first allowed rung that gives a plan not yet run out of memory;
+    exact rungs before approximate ones, and within each, the rungs that shrink the consumer
+    that dominated the OOM before the others (then ladder order)."""
     rungs = [r.name for r in ladder.ORDER if r.name != "allocator"]
     if outcome.phase == "setup":
         rungs = [name for name in rungs if name not in ACTIVATION_RUNGS]
+    dominant = outcome.memory.dominant_consumer() if outcome.memory is not None else None
+    targeted = RUNGS_FOR_CONSUMER.get(dominant or "", ())
+    rungs.sort(key=lambda name: (not ladder.IMPLEMENTED[name].exact, name not in targeted, RUNG_NAMES.index(name)))
     for name in rungs:
         if name not in policy.allow:
             continue

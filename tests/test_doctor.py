@@ -501,3 +501,23 @@ def test_a_fragmented_oom_in_setup_still_takes_the_allocator():
     outcome = fragmented(step=0, phase="setup")
     decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
     assert isinstance(decision, NextPlan) and decision.rung == "allocator"
+
+
+@pytest.mark.parametrize(
+    ("dominant", "allow", "rung"),
+    [
+        ("activations", EXACT_RUNG_NAMES, "micro_batch"),
+        ("optimizer_state", EXACT_RUNG_NAMES, "offload"),
+        # exact rungs first: the 8-bit optimizer only once no exact rung is left
+        ("optimizer_state", ("micro_batch", "optimizer_8bit"), "micro_batch"),
+        ("optimizer_state", ("precision", "optimizer_8bit", "lora"), "optimizer_8bit"),
+        ("parameters", ("precision", "optimizer_8bit", "lora", "base_quantization"), "lora"),
+        ("gradients", ("precision", "lora"), "lora"),
+    ],
+)
+def test_without_numbers_the_rungs_for_the_dominant_consumer_come_first(dominant, allow, rung):
+    breakdown = {"activations": 10 * MiB, "optimizer_state": 10 * MiB, "parameters": 10 * MiB, "gradients": 10 * MiB, dominant: 500 * MiB}
+    outcome = oom(breakdown=breakdown)
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy(allow=allow))
+    assert isinstance(decision, NextPlan) and decision.rung == rung, decision
+    assert f"largest consumer: {dominant}" in decision.reason
