@@ -102,11 +102,12 @@ def _op_kind(func: Any) -> int:
 
 def _storage(t: Any) -> torch.UntypedStorage | None:
     """The tensor's storage, or None where there is no device memory behind it."""
-    if not isinstance(t, torch.Tensor) or t.is_meta:
+    # Sparse and other non-strided layouts have no single storage to count.
+    if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
         return None
     try:
         return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse and some wrapper subclasses
+    except RuntimeError:  # wrapper tensor subclasses without a storage of their own
         return None
 
 

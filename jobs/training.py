@@ -26,10 +26,6 @@ from oomguard.strategies.outcome import MemoryFigures
 from oomguard.strategies.plan import Plan
 
 
-def pick_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 @dataclass(frozen=True)
 class ModelWeights:
     """Weights to start from, on the host: the whole model's (``base``, the model's own keys)

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,6 +138,18 @@ def run_runners(attempt_dirs: list[Path], timeout: float = 180) -> list[RunResul
     return results
 
 
+@contextmanager
+def running_runner(attempt_dir: Path) -> Iterator[subprocess.Popen[str]]:
+    """A started runner that is killed on the way out if the test left it running."""
+    process = start_runner(attempt_dir)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def start_runner(attempt_dir: Path) -> subprocess.Popen[str]:
     log = (attempt_dir / "output.log").open("w")
     return subprocess.Popen(
@@ -221,6 +235,7 @@ __all__ = [
     "read_metrics",
     "run_runner",
     "run_runners",
+    "running_runner",
     "start_runner",
     "tiny_job",
     "write_attempt",

@@ -464,3 +464,12 @@ def test_move_in_counts_host_made_tensors_and_refuses_what_does_not_fit():
         with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 4.00 KiB"):
             device.move_in(host)
         assert device.live_bytes == 4096 and device.last_oom.requested == 4096
+
+
+def test_sparse_tensors_are_not_counted_and_do_not_break_the_count():
+    device = EmulatedDevice(capacity=None)
+    with device:
+        dense = torch.zeros(256)  # 1 KiB
+        sparse = torch.eye(64).to_sparse()
+        product = torch.sparse.mm(sparse, torch.ones(64, 4))  # a dense result, counted
+        assert device.live_bytes >= dense.untyped_storage().nbytes() + product.untyped_storage().nbytes()

@@ -31,7 +31,7 @@ from tests.jobs_helpers import (
     read_metrics,
     run_runner,
     run_runners,
-    start_runner,
+    running_runner,
     tiny_job,
     wait_for_checkpoint,
     write_attempt,
@@ -293,15 +293,10 @@ def test_sigkill_after_a_checkpoint_resumes_from_it_exactly(tmp_path, baseline_w
     workdir = tmp_path / "work"
     # The huge cap only slows the steps a little, for a wider window between checkpoint and end.
     killed_dir = write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=HUGE_CAP)
-    process = start_runner(killed_dir)
-    try:
+    with running_runner(killed_dir) as process:
         first_checkpoint = wait_for_checkpoint(workdir, process)
         os.kill(process.pid, signal.SIGKILL)
         assert process.wait(timeout=30) == -signal.SIGKILL
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     assert first_checkpoint >= EVERY
     assert not (workdir / "final").exists(), "the kill landed after the end: nothing was tested"
     assert not (killed_dir / OUTCOME).exists()  # killed hard: the daemon goes by the exit status
@@ -322,15 +317,10 @@ def test_sigkill_after_a_checkpoint_resumes_from_it_exactly(tmp_path, baseline_w
 def test_sigterm_stops_after_a_checkpoint_at_the_current_step(tmp_path):
     workdir = tmp_path / "work"
     attempt_dir = write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=HUGE_CAP)
-    process = start_runner(attempt_dir)
-    try:
+    with running_runner(attempt_dir) as process:
         wait_for_checkpoint(workdir, process)
         process.send_signal(signal.SIGTERM)
         returncode = process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     log = (attempt_dir / "output.log").read_text()
     assert returncode == EXIT_INTERRUPTED, log
     outcome = Outcome.from_dict(json.loads((attempt_dir / OUTCOME).read_text()))
@@ -348,19 +338,14 @@ def test_sigterm_while_torch_loads_still_ends_interrupted(tmp_path):
     """The handler is in place from the runner's first line of output, before the slow imports."""
     workdir = tmp_path / "work"
     attempt_dir = write_attempt(tmp_path / "attempt-1", JOB, workdir)
-    process = start_runner(attempt_dir)
     log = attempt_dir / "output.log"
-    try:
+    with running_runner(attempt_dir) as process:
         deadline = time.monotonic() + 60
         while "attempt 1 of job" not in log.read_text() and time.monotonic() < deadline:
             assert process.poll() is None, log.read_text()
             time.sleep(0.003)
         process.send_signal(signal.SIGTERM)
         returncode = process.wait(timeout=60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
     assert returncode == EXIT_INTERRUPTED, log.read_text()
     outcome = Outcome.from_dict(json.loads((attempt_dir / OUTCOME).read_text()))
     assert outcome.kind == "interrupted" and outcome.step == 0, outcome
