@@ -43,7 +43,6 @@ test: $(STAMP)
 # against the best plan there is, on the jobs in bench/jobs/ under emulated caps. About eight
 # minutes on 2 cores; results in bench/results/ (ladder.md, ladder.json, ladder.png).
 bench: install
-	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/python bench/ladder.py --update-readme
 
 clean:

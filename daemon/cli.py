@@ -61,7 +61,15 @@ def cap_schedule(text: str | None) -> str | None:
 
 
 def open_store(state_dir: Path) -> tuple[StateDir, Store]:
-    state = StateDir(state_dir).create()
+    """The state directory and its store: read-only for a user who may read a system daemon's
+    store but not write it (the daemon owns it; users talk to it through the spool)."""
+    state = StateDir(state_dir)
+    if state.database.exists() and not os.access(state.database, os.W_OK):
+        return state, Store(state.database, readonly=True)
+    try:
+        state.create()
+    except PermissionError as error:
+        raise CliError(f"cannot use the state directory {state_dir} ({error.strerror}); is --state-dir right?") from None
     return state, Store(state.database)
 
 
@@ -99,7 +107,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except JobFileError as error:
         raise CliError(f"rejected: {error}") from None
     state, store = open_store(args.state_dir)
-    spooled = write_to_inbox(state.inbox, path, spool_text(path))
+    spooled = write_to_inbox(state.inbox, path.stem, spool_text(path))
     deadline = time.monotonic() + args.wait
     while time.monotonic() < deadline:
         job = store.job_by_spool_file(spooled.name)
@@ -115,22 +123,136 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from oomguard.strategies.outcome import format_bytes
+
     _, store = open_store(args.state_dir)
     table = Table(title=f"oomguard jobs ({args.state_dir})")
-    for column in ("job", "name", "owner", "state", "plan", "step", "samples/s", "attempts", "note"):
-        table.add_column(column)
+    for column in ("job", "name", "user", "state", "GPUs", "plan", "step", "samples/s", "ETA", "peak / cap", "attempts", "note"):
+        table.add_column(column, overflow="fold")
     for job in store.jobs():
+        attempts = store.attempts(job["id"])
+        running = job["state"] == "running"
         heartbeat = latest_heartbeat(store, job["id"]) or {}
         spec = json.loads(job["spec"])
         plan = json.loads(job["plan"])
-        step = f"{heartbeat.get('step', 0)}/{spec['train']['max_steps']}"
-        speed = f"{heartbeat['samples_per_s']:.1f}" if job["state"] == "running" and heartbeat.get("samples_per_s") else ""
-        note = (job["result"] or "").splitlines()[0] if job["result"] else ("cancel requested" if job["cancel_requested"] else "")
+        max_steps = spec["train"]["max_steps"]
+        step = heartbeat.get("step", 0)
+        speed = heartbeat.get("samples_per_s") if running else None
+        eta = ""
+        if speed:
+            steps_left = max_steps - step
+            eta = _duration(steps_left * spec["train"]["batch_size"] / speed)
+        memory = ""
+        if heartbeat.get("peak_bytes") is not None and job["state"] not in TERMINAL_STATES:
+            memory = f"{format_bytes(heartbeat['peak_bytes'])} / {format_bytes(heartbeat.get('capacity_bytes'))}"
+        gpus = attempts[-1]["gpus"] if running and attempts and attempts[-1]["gpus"] else ""
+        if job["state"] == "queued" and job["waiting"]:
+            note = f"waiting: {job['waiting']}"
+        elif job["cancel_requested"] and job["state"] not in TERMINAL_STATES:
+            note = "cancel requested"
+        else:
+            note = (job["result"] or "").splitlines()[0] if job["result"] else ""
         table.add_row(
-            str(job["id"]), job["name"], job["owner"], job["state"], _short_plan(plan), step, speed, str(len(store.attempts(job["id"]))), note
+            str(job["id"]), job["name"], job["owner"], job["state"], gpus, _short_plan(plan), f"{step}/{max_steps}",
+            f"{speed:.1f}" if speed else "", eta, memory, str(len(attempts)), note,
         )
     # Piped output is not cut to 80 columns: scripts and logs get whole rows.
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    Console(width=None if sys.stdout.isatty() else 240).print(table)
+    return EXIT_OK
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def cmd_gpus(args: argparse.Namespace) -> int:
+    """The GPUs as the daemon's monitor last sampled them, with the jobs on each."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from oomguard.strategies.outcome import format_bytes
+
+    _, store = open_store(args.state_dir)
+    samples = store.latest_gpu_samples()
+    if not samples:
+        raise CliError("no GPU samples yet: the daemon records them when it runs with GPUs (NVML) or --emulate-gpus", EXIT_FAILED)
+    jobs_on: dict[int, list[str]] = {}
+    for attempt in store.running_attempts():
+        if attempt["gpus"]:
+            job = store.job(attempt["job_id"])
+            for index in attempt["gpus"].split(","):
+                jobs_on.setdefault(int(index), []).append(f"{job['id']} {job['name']} ({job['owner']})")
+    table = Table(title=f"GPUs (sampled {time.strftime('%H:%M:%S', time.localtime(max(s['at'] for s in samples)))})")
+    for column in ("GPU", "name", "used", "free", "total", "processes", "oomguard jobs"):
+        table.add_column(column, overflow="fold")
+    for sample in samples:
+        processes = json.loads(sample["processes"] or "[]")
+        listed = ", ".join(f"{p['pid']}: {format_bytes(p['used'])}" for p in processes)
+        table.add_row(
+            str(sample["gpu"]), sample["name"] or "", format_bytes(sample["used"]), format_bytes(max(sample["total"] - sample["used"], 0)),
+            format_bytes(sample["total"]), listed, "; ".join(jobs_on.get(sample["gpu"], [])),
+        )
+    Console(width=None if sys.stdout.isatty() else 240).print(table)
+    return EXIT_OK
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from oomguard.daemon.report import ReportError, draw_report, load_report
+
+    _, store = open_store(args.state_dir)
+    job = store.job(args.job)
+    out = Path(args.output) if args.output else Path(f"oomguard-job-{job['id']}.png")
+    try:
+        written = draw_report(load_report(job, store.attempts(job["id"]), store.events(job["id"])), out)
+    except ReportError as error:
+        raise CliError(str(error), EXIT_FAILED) from None
+    except OSError as error:
+        raise CliError(f"cannot write {out}: {error.strerror}; choose another --output") from None
+    print(f"wrote {written}")
+    return EXIT_OK
+
+
+def cmd_neighbour(args: argparse.Namespace) -> int:
+    """An emulated neighbour: a process that holds memory on an emulated GPU for a while."""
+    from oomguard.jobs.emulated_gpus import EmulatedGpuFolder
+    from oomguard.jobs.sizes import format_size, parse_size
+
+    state = StateDir(args.state_dir)
+    folder = EmulatedGpuFolder(state.emulated_gpus)
+    try:
+        gpu = folder.gpu(args.gpu)
+        steps = [parse_size(part) for part in args.take.split(",")]
+    except FileNotFoundError as error:
+        raise CliError(str(error)) from None
+    except ValueError as error:
+        raise CliError(f"{error}; `oomguard gpus` lists the GPUs") from None
+    stop = {"now": False}
+
+    def finish(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, finish)
+    signal.signal(signal.SIGINT, finish)
+    pid = os.getpid()
+    try:
+        # Each size is held for --seconds, in turn: "10MiB,40MiB" grows from 10 to 40 MiB.
+        for size in steps:
+            folder.publish(gpu.index, pid, size, "neighbour")
+            print(f"neighbour {pid} holds {format_size(size)} on emulated GPU {gpu.index}", flush=True)
+            deadline = time.monotonic() + args.seconds
+            while time.monotonic() < deadline and not stop["now"]:
+                time.sleep(0.05)
+            if stop["now"]:
+                break
+    finally:
+        folder.withdraw(gpu.index, pid)
+    print(f"neighbour {pid} released GPU {gpu.index}", flush=True)
     return EXIT_OK
 
 
@@ -199,12 +321,25 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    _, store = open_store(args.state_dir)
+    """Cancelling goes through the spool like submitting: the daemon checks who asks (the
+    owner of the request file) against who owns the job, and answers in the store."""
+    from oomguard.daemon.spool import request_text, write_to_inbox
+
+    state, store = open_store(args.state_dir)
     job = store.job(args.job)
     if job["state"] in TERMINAL_STATES:
         raise CliError(f"job {job['id']} ({job['name']}) has already ended: {job['state']}", EXIT_FAILED)
-    store.request_cancel(job["id"])
-    print(f"cancel requested for job {job['id']} ({job['name']}): the daemon checkpoints and stops it")
+    spooled = write_to_inbox(state.inbox, f"cancel-{job['id']}", request_text("cancel", str(job["id"])), suffix=".request")
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        answer = store.request_by_file(spooled.name)
+        if answer is not None:
+            if not answer["accepted"]:
+                raise CliError(f"refused: {answer['answer']}", EXIT_FAILED)
+            print(answer["answer"])
+            return EXIT_OK
+        time.sleep(0.1)
+    print(f"cancel request for job {job['id']} is in the spool; the daemon applies it when it runs (`oomguard daemon`)")
     return EXIT_OK
 
 
@@ -212,8 +347,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 DIAGNOSE_ACTIONS = {
     "oom_fragmentation": "takes the allocator rung (expandable_segments:True, in a fresh process), so that PyTorch can use "
     "the reserved memory it holds in pieces; then the rest of the ladder if that is not enough",
-    "oom_other_process": "should wait for the other processes' memory to come back and retry the same plan rather than "
-    "shrink the job for a neighbour; this version's doctor cannot tell a neighbour yet and takes the ladder as for any OOM",
+    "oom_other_process": "waits for the other processes' memory to come back and retries the same plan, when its GPU "
+    "figures show a neighbour grew while the job did not (contention); otherwise it takes the ladder as for any OOM",
     "oom": "takes the cheapest allowed rung of the ladder that fits (micro-batch, checkpointing, ...) and resumes from the "
     "last checkpoint",
     "host_oom": "nothing on the ladder: host RAM ran out, not the GPU; it retries the attempt as a crash (fewer data-loader "
@@ -311,20 +446,50 @@ def _stop_on_signals(supervisor: Any, *, stop_jobs: bool = True) -> None:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from oomguard.daemon.notify import SystemdNotifier
+    from oomguard.daemon.gpus import NoGpus, open_gpus
+    from oomguard.daemon.monitor import GpuMonitor
+    from oomguard.daemon.notifier import Notifier
+    from oomguard.daemon.sd_notify import SystemdNotifier
     from oomguard.daemon.spool import Spool
     from oomguard.daemon.supervisor import Supervisor
+    from oomguard.daemon.users import InsecureStateDir, secure_state_dir, system_mode
 
-    state, store = open_store(args.state_dir)
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise CliError(f"--max-parallel must be at least 1, got {args.max_parallel}")
+    state = StateDir(args.state_dir).create()
+    state.secrets.mkdir(mode=0o700, exist_ok=True)
     lock = _Lock(state.root / "daemon.lock")
+    try:
+        # Before the store is opened: closing any descriptor of the database file would drop
+        # this process's SQLite locks (POSIX record locks belong to the process, not the fd).
+        secure_state_dir(
+            state.root, state.inbox, [state.accepted, state.rejected, state.secrets],
+            [state.database, Path(f"{state.database}-wal"), Path(f"{state.database}-shm")],
+        )
+    except InsecureStateDir as error:
+        raise CliError(f"{error}; fix the state directory or choose another --state-dir") from None
+    store = Store(state.database)
+    try:
+        monitor: GpuMonitor | None = GpuMonitor(open_gpus(args.emulate_gpus, state.emulated_gpus), store, every_seconds=args.gpu_sample_seconds)
+    except ValueError as error:
+        raise CliError(f"--emulate-gpus: {error}") from None
+    except NoGpus as error:
+        print(f"oomguard: {error}", flush=True)
+        monitor = None
+    config_paths = [Path(p) for p in args.notify_config] if args.notify_config else None
+    notifier = Notifier(config_paths, throttle_seconds=args.notify_throttle)
     spool = Spool(state.inbox, state.accepted, state.rejected)
     supervisor = Supervisor(
-        state, store, max_parallel=args.max_parallel, emulate_device_memory=cap_schedule(args.emulate_device_memory), on_event=print_event, spool=spool
+        state, store, max_parallel=args.max_parallel, emulate_device_memory=cap_schedule(args.emulate_device_memory), on_event=print_event,
+        spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
     )
     _stop_on_signals(supervisor, stop_jobs=args.stop_jobs)
     spool.start()
     systemd = SystemdNotifier()
-    print(f"oomguard daemon {os.getpid()} watching {state.inbox}", flush=True)
+    mode = "system mode: jobs run as their owners" if system_mode() else f"user mode: jobs run as {current_user()}"
+    if monitor is not None:
+        print(f"GPUs: {monitor.source.description}", flush=True)
+    print(f"oomguard daemon {os.getpid()} watching {state.inbox} ({mode})", flush=True)
     systemd.ready(f"watching {state.inbox}")
     stopping_said = False
     try:
@@ -340,6 +505,9 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         if not stopping_said:
             systemd.stopping()
         spool.stop()
+        # Messages already queued get a moment to go out; retries do not hold the daemon up.
+        notifier.flush(timeout=5.0)
+        notifier.close()
         store.close()
         lock.file.close()
     print("oomguard daemon stopped", flush=True)
@@ -348,6 +516,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from oomguard.daemon.supervisor import Supervisor
+    from oomguard.daemon.users import Account
 
     try:
         spec = load_job_file(Path(args.file))
@@ -367,7 +536,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if not quiet:
             print(f"continuing job {job_id} ({spec.name}) in {workdir}", flush=True)
     else:
-        job_id = supervisor.add_job(spec, current_user(), workdir=str(workdir))
+        job_id = supervisor.add_job(spec, Account.current(), workdir=str(workdir))
     _stop_on_signals(supervisor)
     last_progress, last_step = 0.0, None
     while True:
@@ -404,7 +573,24 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     daemon = commands.add_parser("daemon", help="run the supervisor in the foreground")
-    daemon.add_argument("--max-parallel", type=int, default=1, help="attempts running at once (default 1)")
+    daemon.add_argument(
+        "--max-parallel", type=int, default=None,
+        help="attempts running at once, at most (default: as many as the GPUs take; 1 without GPUs)",
+    )
+    daemon.add_argument(
+        "--emulate-gpus", metavar="GPUS", default=None,
+        help="emulated GPUs instead of NVML, e.g. 2x64MiB or 64MiB,48MiB (`oomguard neighbour` takes memory on them)",
+    )
+    daemon.add_argument("--admin-group", metavar="GROUP", default=None, help="members of GROUP may cancel anyone's job (system mode)")
+    daemon.add_argument(
+        "--notify-config", metavar="FILE", action="append", default=None,
+        help="an apprise configuration file (repeatable; default: apprise's own, e.g. ~/.config/apprise/apprise.yml, /etc/apprise.yml)",
+    )
+    daemon.add_argument("--notify-throttle", type=float, default=600.0, metavar="SECONDS", help="the same message for the same job at most once per SECONDS (default 600)")
+    daemon.add_argument(
+        "--stall-after", type=float, default=1800.0, metavar="SECONDS", help="report an attempt as stalled after SECONDS without a heartbeat (default 1800)"
+    )
+    daemon.add_argument("--gpu-sample-seconds", type=float, default=5.0, help=argparse.SUPPRESS)
     daemon.add_argument(
         "--emulate-device-memory", metavar="SIZE", default=os.environ.get(EMULATE_DEVICE_MEMORY_ENV),
         help=f"emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15 (default: ${EMULATE_DEVICE_MEMORY_ENV})",
@@ -422,6 +608,18 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(handler=cmd_submit)
 
     commands.add_parser("status", help="a table of all jobs").set_defaults(handler=cmd_status)
+    commands.add_parser("gpus", help="the GPUs, what is on them, and which jobs").set_defaults(handler=cmd_gpus)
+
+    report = commands.add_parser("report", help="a PNG of a job's memory over time per attempt, OOMs, rungs and samples/s")
+    report.add_argument("job", help="job id or name")
+    report.add_argument("-o", "--output", metavar="PNG", help="where to write it (default: oomguard-job-ID.png here)")
+    report.set_defaults(handler=cmd_report)
+
+    neighbour = commands.add_parser("neighbour", help="hold memory on an emulated GPU for a while (to try contention)")
+    neighbour.add_argument("--gpu", type=int, default=0, help="the emulated GPU (default 0)")
+    neighbour.add_argument("--take", required=True, metavar="SIZES", help="memory to hold, e.g. 40MiB; 10MiB,40MiB holds each in turn")
+    neighbour.add_argument("--seconds", type=float, default=10.0, help="how long to hold each size (default 10)")
+    neighbour.set_defaults(handler=cmd_neighbour)
 
     show = commands.add_parser("show", help="one job with its attempts, plans and outcomes")
     show.add_argument("job", help="job id or name")
@@ -433,8 +631,9 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     logs.set_defaults(handler=cmd_logs)
 
-    cancel = commands.add_parser("cancel", help="checkpoint and stop a job")
+    cancel = commands.add_parser("cancel", help="checkpoint and stop a job (yours, or any if you are root or an admin)")
     cancel.add_argument("job", help="job id or name")
+    cancel.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the daemon's answer (default 10)")
     cancel.set_defaults(handler=cmd_cancel)
 
     diagnose = commands.add_parser("diagnose", help="read a training log: did it run out of memory, which memory, and why")

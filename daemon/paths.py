@@ -40,6 +40,15 @@ class StateDir:
     def jobs(self) -> Path:
         return self.root / "jobs"
 
+    @property
+    def secrets(self) -> Path:
+        """Jobs' own notification URLs, readable by the daemon only."""
+        return self.root / "secrets"
+
+    @property
+    def emulated_gpus(self) -> Path:
+        return self.root / "emulated-gpus"
+
     def create(self) -> StateDir:
         for folder in (self.inbox, self.accepted, self.rejected, self.jobs):
             folder.mkdir(parents=True, exist_ok=True)

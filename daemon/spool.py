@@ -7,12 +7,16 @@ daemon never reads half a file; it also puts a first line ``# oomguard-base-dir:
 copy, so relative paths in the job still mean what they meant next to the original file.
 Files dropped in by hand are treated the same way (their relative paths are taken from the
 inbox).
+
+A job belongs to the owner of its inbox file (daemon/users.py explains why that is trusted).
+Files named ``*.request`` are requests about existing jobs (``oomguard cancel``): the daemon
+answers them in the store, checking the requester (the file's owner) may change that job.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import pwd
 import queue
 import shutil
 import time
@@ -22,6 +26,7 @@ from pathlib import Path
 from watchdog.events import FileClosedEvent, FileMovedEvent, FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from oomguard.daemon.users import Account, PermissionRefused, read_owned_file
 from oomguard.jobs.spec import JobFileError, JobSpec, parse_job_text
 
 BASE_DIR_HEADER = "# oomguard-base-dir: "
@@ -30,12 +35,7 @@ BASE_DIR_HEADER = "# oomguard-base-dir: "
 SETTLE_SECONDS = 2.0
 
 
-def owner_name(path: Path) -> str:
-    uid = path.stat().st_uid
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
+REQUEST_SUFFIX = ".request"
 
 
 def spool_text(job_file: Path) -> str:
@@ -43,22 +43,31 @@ def spool_text(job_file: Path) -> str:
     return f"{BASE_DIR_HEADER}{job_file.resolve().parent}\n{job_file.read_text(encoding='utf-8')}"
 
 
-def write_to_inbox(inbox: Path, job_file: Path, text: str) -> Path:
-    """Atomically place ``text`` in the inbox under a unique name; returns its final path."""
-    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{job_file.stem}"
+def write_to_inbox(inbox: Path, stem: str, text: str, suffix: str = ".toml") -> Path:
+    """Atomically place ``text`` in the inbox under a unique name; returns its final path.
+    The file is readable by its owner only: on a shared box others may guess its name."""
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{stem}"
     temporary = inbox / f".{stem}.tmp"
-    temporary.write_text(text, encoding="utf-8")
-    final = inbox / f"{stem}.toml"
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    final = inbox / f"{stem}{suffix}"
     os.replace(temporary, final)
     return final
 
 
-def parse_spooled(path: Path, display_name: str | None = None) -> JobSpec:
-    """Validate an inbox file; errors name the job by ``display_name`` (the user's file name)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise JobFileError(display_name or path.name, None, f"not valid UTF-8 text ({error.reason})") from None
+def request_text(action: str, job: str) -> str:
+    return json.dumps({"action": action, "job": job})
+
+
+def parse_spooled(path: Path, display_name: str | None = None, text: str | None = None) -> JobSpec:
+    """Validate an inbox file (or its ``text``, read already); errors name the job by
+    ``display_name`` (the user's file name)."""
+    if text is None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise JobFileError(display_name or path.name, None, f"not valid UTF-8 text ({error.reason})") from None
     base_dir = path.parent
     if text.startswith(BASE_DIR_HEADER):
         # Drop the header so that line numbers in TOML errors match the user's file.
@@ -72,7 +81,17 @@ class Arrival:
     """A job file that passed validation and now waits in accepted/."""
 
     spec: JobSpec
-    owner: str
+    owner: Account
+    spool_file: str
+
+
+@dataclass(frozen=True)
+class Request:
+    """A user's request about a job (``*.request`` in the inbox)."""
+
+    requester: Account
+    action: str
+    job: str
     spool_file: str
 
 
@@ -148,13 +167,32 @@ class Spool:
                 seen.append(path)
         return seen
 
-    def take(self, path: Path) -> Arrival | Rejection:
-        """Validate one inbox file and move it out of the inbox."""
+    def take(self, path: Path) -> Arrival | Request | Rejection:
+        """Validate one inbox file; a bad one is moved out of the inbox at once."""
         try:
-            spec = parse_spooled(path)
+            # Owner and content from one open file: it cannot be swapped in between.
+            owner, raw = read_owned_file(path)
+        except (PermissionRefused, OSError) as error:
+            return self.reject(path, str(error))
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            return self.reject(path, f"{path.name}: not valid UTF-8 text ({error.reason})")
+        if path.name.endswith(REQUEST_SUFFIX):
+            try:
+                data = json.loads(text)
+                return Request(requester=owner, action=str(data["action"]), job=str(data["job"]), spool_file=path.name)
+            except (ValueError, KeyError, TypeError):
+                return self.reject(path, f"{path.name}: not a request (expected JSON with action and job; `oomguard cancel` writes them)")
+        try:
+            spec = parse_spooled(path, text=text)
         except JobFileError as error:
             return self.reject(path, str(error))
-        return Arrival(spec=spec, owner=owner_name(path), spool_file=path.name)
+        return Arrival(spec=spec, owner=owner, spool_file=path.name)
+
+    def consume(self, path: Path) -> None:
+        """A request that has been answered (the answer is in the store)."""
+        path.unlink(missing_ok=True)
 
     def accept(self, path: Path, job_id: int) -> Path:
         destination = self.accepted / f"{job_id:06d}-{path.name}"

@@ -9,6 +9,7 @@ to i + 1, so an old database is brought up to date when it is opened.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -90,11 +91,34 @@ def _add_recoveries_reported(db: sqlite_utils.Database) -> None:
     db["attempts"].add_column("recoveries_reported", int, not_null_default=0)
 
 
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_create_tables, _add_recoveries_reported]
+def _add_lab_box(db: sqlite_utils.Database) -> None:
+    # Users, GPUs, waiting, the shim, stall detection, requests from users, GPU samples.
+    db["jobs"].add_column("owner_uid", int)
+    db["jobs"].add_column("waiting", str)  # why a queued job is not running now (shown in status)
+    db["jobs"].add_column("wait_free_bytes", int)  # contention: free memory to wait for per GPU
+    db["attempts"].add_column("gpus", str)  # "0,1": the GPUs it was placed on
+    db["attempts"].add_column("pid_started", int)  # the shim's start time (processes.start_ticks)
+    db["attempts"].add_column("stalled_at", float)
+    db["requests"].create(
+        {"id": int, "file": str, "requester": str, "action": str, "job_key": str, "job_id": int, "accepted": int, "answer": str, "at": float},
+        pk="id",
+    )
+    db["requests"].create_index(["file"], unique=True)
+    db["gpu_samples"].create({"id": int, "at": float, "gpu": int, "name": str, "total": int, "used": int, "processes": str}, pk="id")
+    db["gpu_samples"].create_index(["gpu", "at"])
+
+
+MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_create_tables, _add_recoveries_reported, _add_lab_box]
 
 
 class Store:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, readonly: bool = False) -> None:
+        """``readonly``: for users who may read a system daemon's store but not write it."""
+        if readonly:
+            if not path.exists():
+                raise FileNotFoundError(f"no oomguard database at {path}: is the daemon running with this --state-dir?")
+            self.db = sqlite_utils.Database(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10))
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite_utils.Database(path)
         self.db.execute("PRAGMA busy_timeout = 10000")
@@ -136,7 +160,7 @@ class Store:
 
     # Jobs -----------------------------------------------------------------------------------
 
-    def add_job(self, *, name: str, owner: str, spec: dict[str, Any], priority: int, workdir: str | None, plan: dict[str, Any], spool_file: str | None, emulate_device_memory: str | None, jobs_root: Path) -> int:
+    def add_job(self, *, name: str, owner: str, owner_uid: int | None = None, spec: dict[str, Any], priority: int, workdir: str | None, plan: dict[str, Any], spool_file: str | None, emulate_device_memory: str | None, jobs_root: Path) -> int:
         """Record a queued job; its workdir defaults to jobs_root/<id>."""
         with self.db.atomic():
             table = self.db["jobs"]
@@ -144,6 +168,7 @@ class Store:
                 {
                     "name": name,
                     "owner": owner,
+                    "owner_uid": owner_uid,
                     "spec": json.dumps(spec),
                     "state": "queued",
                     "priority": priority,
@@ -212,3 +237,41 @@ class Store:
         if job_id is None:
             return list(self.db.query("select * from events where id > ? order by id", [after_id]))
         return list(self.db.query("select * from events where job_id = ? and id > ? order by id", [job_id, after_id]))
+
+    # Requests from users (through the spool) ---------------------------------------------------
+
+    def add_request(self, **fields: Any) -> int:
+        table = self.db["requests"]
+        table.insert({**fields, "at": time.time()})
+        return int(table.last_pk)
+
+    def request_by_file(self, file: str) -> dict[str, Any] | None:
+        rows = list(self.db.query("select * from requests where file = ?", [file]))
+        return rows[0] if rows else None
+
+    # GPU samples ----------------------------------------------------------------------------
+
+    def add_gpu_samples(self, at: float, samples: list[dict[str, Any]], keep_per_gpu: int) -> None:
+        """Record one sample per GPU; past ``keep_per_gpu`` rows for a GPU, every other row of
+        its older half goes, so the history stays bounded and thins out with age."""
+        with self.db.atomic():
+            self.db["gpu_samples"].insert_all({**sample, "at": at} for sample in samples)
+            for sample in samples:
+                gpu = sample["gpu"]
+                count = self.db.execute("select count(*) from gpu_samples where gpu = ?", [gpu]).fetchone()[0]
+                if count > keep_per_gpu:
+                    self.db.execute(
+                        "delete from gpu_samples where id in (select id from (select id, row_number() over (order by at) as n "
+                        "from gpu_samples where gpu = ? order by at limit ?) where n % 2 = 0)",
+                        [gpu, count // 2],
+                    )
+
+    def gpu_samples(self, gpu: int | None = None, since: float = 0.0) -> list[dict[str, Any]]:
+        if gpu is None:
+            return list(self.db.query("select * from gpu_samples where at >= ? order by at, gpu", [since]))
+        return list(self.db.query("select * from gpu_samples where gpu = ? and at >= ? order by at", [gpu, since]))
+
+    def latest_gpu_samples(self) -> list[dict[str, Any]]:
+        return list(
+            self.db.query("select * from gpu_samples where id in (select max(id) from gpu_samples group by gpu) order by gpu")
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -17,19 +18,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from oomguard.daemon import processes
+from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.paths import StateDir
-from oomguard.daemon.spool import Arrival, Spool
-from oomguard.daemon.store import TERMINAL_STATES, Store
+from oomguard.daemon.placement import Holder, Need, Placed, place
+from oomguard.daemon.shim import EXIT_STATUS
+from oomguard.daemon.spool import Arrival, Request, Spool
+from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
+from oomguard.daemon.users import Account, PermissionRefused, check_may_change, child_environment, make_user_directory, spawn_options, system_mode
 from oomguard.jobs import checkpoints
 from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, read_json
+from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
-from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, decide
+from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
+from oomguard.strategies.memory_model import MARGIN_RAN
 from oomguard.strategies.oom_text import read_oom_log
-from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.outcome import Outcome, format_bytes
 from oomguard.strategies.plan import Plan
+
+if TYPE_CHECKING:
+    from oomguard.daemon.notifier import Notifier
 
 # A runner asked to stop (SIGTERM) checkpoints first; after this long it is killed.
 STOP_GRACE_SECONDS = 120.0
@@ -37,22 +48,17 @@ STOP_GRACE_SECONDS = 120.0
 # How much of a silent runner's output.log is read for the error it died of.
 OUTPUT_TAIL_BYTES = 256 * 1024
 
+# An attempt without a new heartbeat for this long is reported as stalled (once).
+STALL_SECONDS = 1800.0
+
 
 @dataclass
 class _Running:
     attempt_id: int
     job_id: int
     process: subprocess.Popen[bytes] | None  # None: adopted from an earlier daemon
-    pid: int
-
-
-def _process_alive(pid: int, attempt_dir: str) -> bool:
-    """True if ``pid`` is still our runner for ``attempt_dir`` (not a recycled pid)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return attempt_dir.encode() in cmdline
+    pid: int  # the shim's, which leads the attempt's session and process group
+    started: int | None  # the shim's start time (processes.start_ticks)
 
 
 def outcome_without_report(attempt_dir: Path, returncode: int | None) -> Outcome:
@@ -85,36 +91,99 @@ class Supervisor:
         state: StateDir,
         store: Store,
         *,
-        max_parallel: int = 1,
+        max_parallel: int | None = 1,
         emulate_device_memory: str | None = None,
         on_event: Callable[[dict[str, Any], str, str], None] | None = None,
         spool: Spool | None = None,
+        gpus: GpuMonitor | None = None,
+        notifier: Notifier | None = None,
+        admin_group: str | None = None,
+        stall_seconds: float = STALL_SECONDS,
     ) -> None:
         self.state = state
         self.store = store
+        # Without GPUs to place by, attempts run max_parallel at a time (default 1); with
+        # GPUs, placement decides, within max_parallel when one is given.
         self.max_parallel = max_parallel
         self.emulate_device_memory = emulate_device_memory
         self.on_event = on_event
         self.spool = spool
+        self.gpus = gpus
+        self.notifier = notifier
+        self.admin_group = admin_group
+        self.stall_seconds = stall_seconds
         self.stopping = False
         self.leaving = False
         self._running: dict[int, _Running] = {}
         self._adopt()
 
-    # Events ---------------------------------------------------------------------------------
+    # Events and notifications ---------------------------------------------------------------
 
-    def event(self, job: dict[str, Any], kind: str, message: str) -> None:
+    def event(self, job: dict[str, Any], kind: str, message: str, *, next_step: str | None = None) -> None:
         self.store.add_event(job["id"], kind, message)
         if self.on_event is not None:
             self.on_event(job, kind, message)
+        if next_step is not None:
+            self._notify(job, kind, message, next_step)
+
+    def _notify(self, job: dict[str, Any], kind: str, message: str, next_step: str) -> None:
+        if self.notifier is None:
+            return
+        from oomguard.daemon.notifier import JobFacts
+
+        job = self.store.job(job["id"])
+        spec = JobSpec.from_dict(json.loads(job["spec"]))
+        attempts = self.store.attempts(job["id"])
+        heartbeat = (read_json(Path(attempts[-1]["directory"]) / HEARTBEAT) or {}) if attempts else {}
+        outcome = json.loads(attempts[-1]["outcome"]) if attempts and attempts[-1]["outcome"] else {}
+        oom = outcome.get("memory") or {}
+        facts = JobFacts(
+            job_id=job["id"],
+            job_name=job["name"],
+            user=job["owner"],
+            event=kind,
+            attempts=len(attempts),
+            plan=Plan.from_dict(json.loads(job["plan"])).short(),
+            step=outcome.get("step", heartbeat.get("step")),
+            max_steps=spec.train.max_steps,
+            # At an OOM: what it held plus what it asked for, against what it had.
+            peak_bytes=((oom.get("allocated") or 0) + (oom.get("requested") or 0)) or heartbeat.get("peak_bytes"),
+            cap_bytes=oom.get("total") or heartbeat.get("capacity_bytes"),
+            summary=message.splitlines()[0],
+            next_step=next_step,
+            gpus=attempts[-1]["gpus"] or "" if attempts else "",
+        )
+        self.notifier.notify(facts, urls=self._secret_urls(job["id"]), tags=spec.notify.tags, events=spec.notify.events)
+
+    # Secrets: a job's own notification URLs are kept out of the shared store (it holds them
+    # redacted) in a file only the daemon can read.
+
+    def _secrets_file(self, job_id: int) -> Path:
+        return self.state.secrets / f"{job_id}.json"
+
+    def _save_secret_urls(self, job_id: int, urls: tuple[str, ...]) -> None:
+        if not urls:
+            return
+        self.state.secrets.mkdir(mode=0o700, parents=True, exist_ok=True)
+        descriptor = os.open(self._secrets_file(job_id), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            json.dump({"urls": list(urls)}, handle)
+
+    def _secret_urls(self, job_id: int) -> tuple[str, ...]:
+        data = read_json(self._secrets_file(job_id)) or {}
+        return tuple(data.get("urls") or ())
 
     # Jobs -----------------------------------------------------------------------------------
 
-    def add_job(self, spec: JobSpec, owner: str, spool_file: str | None = None, workdir: str | None = None) -> int:
+    def add_job(self, spec: JobSpec, owner: Account, spool_file: str | None = None, workdir: str | None = None) -> int:
+        from oomguard.daemon.notifier import redact_url
+
+        stored = spec.replace(notify=spec.notify.without_urls(redact_url)) if spec.notify.urls else spec
         job_id = self.store.add_job(
             name=spec.name,
-            owner=owner,
-            spec=spec.to_dict(),
+            owner=owner.name,
+            owner_uid=owner.uid,
+            spec=stored.to_dict(),
             priority=spec.priority,
             workdir=workdir or spec.workdir,
             plan=spec.initial_plan().to_dict(),
@@ -122,9 +191,32 @@ class Supervisor:
             emulate_device_memory=self.emulate_device_memory,
             jobs_root=self.state.jobs,
         )
+        self._save_secret_urls(job_id, spec.notify.urls)
         job = self.store.job(job_id)
-        self.event(job, "queued", f"queued (owner {owner}, batch {spec.train.batch_size}, {spec.train.max_steps} steps, workdir {job['workdir']})")
+        try:
+            self._prepare_workdir(job, owner, default=not (workdir or spec.workdir))
+        except PermissionRefused as error:
+            self._end_job(job, "failed", f"cannot use its workdir: {error}", next_step="nothing: fix the workdir and submit the job again")
+            return job_id
+        self.event(job, "queued", f"queued (owner {owner.name}, batch {spec.train.batch_size}, {spec.train.max_steps} steps, workdir {job['workdir']})")
         return job_id
+
+    def _prepare_workdir(self, job: dict[str, Any], owner: Account, *, default: bool) -> None:
+        """The job's workdir, owned by its owner: under the state directory the daemon makes it
+        and hands it over; anywhere else it is made as the owner, so the kernel checks the
+        owner may write there."""
+        workdir = Path(job["workdir"])
+        if default:
+            workdir.mkdir(mode=0o750, parents=True, exist_ok=True)
+            if system_mode() and owner.uid != os.geteuid():
+                os.chown(workdir, owner.uid, owner.gid)
+            return
+        make_user_directory(workdir, owner)
+
+    def _owner(self, job: dict[str, Any]) -> Account:
+        if job["owner_uid"] is not None:
+            return Account.from_uid(job["owner_uid"])
+        return Account.from_uid(pwd.getpwnam(job["owner"]).pw_uid)  # a job from before owner_uid
 
     def active(self) -> bool:
         return bool(self._running)
@@ -132,6 +224,8 @@ class Supervisor:
     def tick(self) -> None:
         self._take_spool()
         self._handle_cancellations()
+        if self.gpus is not None:
+            self.gpus.tick()
         self._reap()
         if not self.stopping:
             self._start_queued()
@@ -147,24 +241,99 @@ class Supervisor:
                 # Recorded before a crash that came before the move: just finish the move.
                 self.spool.accept(path, existing["id"])
                 continue
+            if self.store.request_by_file(path.name) is not None:
+                self.spool.consume(path)
+                continue
             result = self.spool.take(path)
             if isinstance(result, Arrival):
                 job_id = self.add_job(result.spec, result.owner, spool_file=result.spool_file)
                 self.spool.accept(path, job_id)
+            elif isinstance(result, Request):
+                self._answer(result)
+                self.spool.consume(path)
             else:
                 print(f"rejected {result.file}: {result.error}", flush=True)
+
+    def _answer(self, request: Request) -> None:
+        """Apply a user's request about a job if they may; the answer goes to the store, where
+        the CLI that wrote the request reads it."""
+        job: dict[str, Any] | None = None
+        try:
+            if request.action != "cancel":
+                raise PermissionRefused(f"unknown request {request.action!r} (oomguard knows: cancel)")
+            job = self.store.job(request.job)
+            label = f"job {job['id']} ({job['name']})"
+            check_may_change(request.requester, self._owner(job).uid, "cancel", label, self.admin_group)
+            if job["state"] in TERMINAL_STATES:
+                raise PermissionRefused(f"{label} has already ended: {job['state']}")
+        except (PermissionRefused, JobNotFound) as error:
+            answer, accepted = str(error), False
+        else:
+            self.store.request_cancel(job["id"])
+            answer, accepted = f"cancel requested for {label} by {request.requester.name}: the daemon checkpoints and stops it", True
+            self.event(job, "cancel-requested", f"by {request.requester.name}")
+        self.store.add_request(
+            file=request.spool_file, requester=request.requester.name, action=request.action, job_key=request.job,
+            job_id=job["id"] if job else None, accepted=int(accepted), answer=answer,
+        )
+        if not accepted:
+            print(f"refused a request of {request.requester.name}: {answer}", flush=True)
 
     # Starting -------------------------------------------------------------------------------
 
     def _start_queued(self) -> None:
+        gpus = self.gpus.read() if self.gpus is not None else None
         for job in self.store.queued_jobs():
-            if len(self._running) >= self.max_parallel:
+            limit = self.max_parallel if self.max_parallel is not None else (None if gpus is not None else 1)
+            if limit is not None and len(self._running) >= limit:
                 return
             if job["cancel_requested"]:
                 continue
-            self._start_attempt(job)
+            placed: tuple[int, ...] | None = None
+            if gpus is not None:
+                spec = JobSpec.from_dict(json.loads(job["spec"]))
+                where = place(self._need(job, spec), gpus, self._holders(gpus))
+                if not isinstance(where, Placed):
+                    # Lower-priority jobs may still fit elsewhere: look at them too.
+                    if job["waiting"] != where.reason:
+                        self.store.update_job(job["id"], waiting=where.reason)
+                        self.event(job, "waiting", where.reason)
+                    continue
+                placed = where.gpus
+            self._start_attempt(job, placed)
+            if gpus is not None:
+                gpus = self.gpus.read()  # type: ignore[union-attr]
 
-    def _start_attempt(self, job: dict[str, Any]) -> None:
+    def _need(self, job: dict[str, Any], spec: JobSpec) -> Need:
+        """What the job needs free per GPU: after contention, what it waits for; else the peak
+        its plan measured (with the margin of a plan that ran); else what the job file says."""
+        free_bytes: int | None = job["wait_free_bytes"]
+        if free_bytes is None:
+            plan = Plan.from_dict(json.loads(job["plan"]))
+            peaks = [
+                m.peak_bytes
+                for attempt in self.store.attempts(job["id"])
+                if attempt["outcome"]
+                for m in Outcome.from_dict(json.loads(attempt["outcome"])).measurements
+                if m.fits and m.plan == plan
+            ]
+            free_bytes = int(max(peaks) * (1 + MARGIN_RAN)) if peaks else spec.resources.memory
+        return Need(gpus=spec.resources.gpus, share=spec.resources.share, free_bytes=free_bytes)
+
+    def _holders(self, gpus: list[Any]) -> dict[int, list[Holder]]:
+        holders: dict[int, list[Holder]] = {}
+        for attempt in self.store.running_attempts():
+            if not attempt["gpus"]:
+                continue
+            job = self.store.job(attempt["job_id"])
+            spec = JobSpec.from_dict(json.loads(job["spec"]))
+            need = self._need(job, spec)
+            for index in (int(i) for i in attempt["gpus"].split(",")):
+                used = sum(p.used_bytes for g in gpus if g.index == index for p in g.processes if _in_group(p.pid, attempt["pid"]))
+                holders.setdefault(index, []).append(Holder(job["id"], spec.resources.share, need.free_bytes, used))
+        return holders
+
+    def _start_attempt(self, job: dict[str, Any], gpus: tuple[int, ...] | None) -> None:
         spec = JobSpec.from_dict(json.loads(job["spec"]))
         plan = Plan.from_dict(json.loads(job["plan"]))
         number = len(self.store.attempts(job["id"])) + 1
@@ -179,21 +348,33 @@ class Supervisor:
             # Only the job's first attempt measures: later ones have the history.
             probe=spec.ladder.probe and number == 1,
         )
-        config.write(attempt_dir)
         newest = checkpoints.latest_valid(workdir / "checkpoints", warn=lambda text: self.event(job, "checkpoint", text))
-        env = ladder.process_environment(plan, os.environ)
-        with (attempt_dir / LOG).open("ab") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=workdir,
-                # Its own session: a Ctrl-C or a signal to the daemon's group does not reach
-                # it; the daemon decides when it stops (after a checkpoint).
-                start_new_session=True,
-            )
+        owner = self._owner(job)
+        env = ladder.process_environment(plan, child_environment(owner, os.environ))
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
+            if self.gpus is not None and self.gpus.source.emulated_root is not None:
+                env[EMULATED_GPUS_ENV] = str(self.gpus.source.emulated_root)
+        runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
+        # The shim (as the owner, in a session of its own) writes attempt.json from its
+        # standard input, runs the runner and records its exit status for any daemon to read.
+        process = subprocess.Popen(
+            [sys.executable, "-m", "oomguard.daemon.shim", str(attempt_dir), "--", *runner],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=workdir,
+            start_new_session=True,
+            **spawn_options(owner),
+        )
+        started = processes.start_ticks(process.pid)
+        assert process.stdin is not None
+        try:
+            process.stdin.write(json.dumps(config.to_dict(), indent=2).encode())
+            process.stdin.close()
+        except BrokenPipeError:
+            pass  # the shim died at once; reaping it records how
         now = time.time()
         with self.store.atomic():
             attempt_id = self.store.add_attempt(
@@ -204,37 +385,62 @@ class Supervisor:
                 reason=job["next_reason"],
                 directory=str(attempt_dir),
                 pid=process.pid,
+                pid_started=started,
+                gpus=",".join(str(i) for i in gpus) if gpus is not None else None,
                 started_at=now,
             )
-            self.store.update_job(job["id"], state="running", started_at=job["started_at"] or now, next_rung=None, next_reason=None)
-        self._running[attempt_id] = _Running(attempt_id, job["id"], process, process.pid)
+            self.store.update_job(
+                job["id"], state="running", started_at=job["started_at"] or now, next_rung=None, next_reason=None, waiting=None, wait_free_bytes=None
+            )
+        self._running[attempt_id] = _Running(attempt_id, job["id"], process, process.pid, started)
         start = f"from the checkpoint at step {newest.step}" if newest else "from step 0 (no checkpoint yet)"
-        self.event(job, "started", f"attempt {number} started with plan [{plan.short()}], resuming {start}")
+        where = f" on GPU {','.join(str(i) for i in gpus)}" if gpus is not None else ""
+        self.event(job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}], resuming {start}")
 
     # Ending ---------------------------------------------------------------------------------
 
     def _adopt(self) -> None:
-        """Take over the attempts an earlier daemon left running."""
+        """Take over the attempts an earlier daemon left running; those that ended meanwhile
+        are collected at the next tick (their shims left exit.json)."""
         for attempt in self.store.running_attempts():
-            self._running[attempt["id"]] = _Running(attempt["id"], attempt["job_id"], None, attempt["pid"])
+            self._running[attempt["id"]] = _Running(attempt["id"], attempt["job_id"], None, attempt["pid"], attempt["pid_started"])
 
     def _reap(self) -> None:
         for attempt_id, running in list(self._running.items()):
             attempt = self.store.db["attempts"].get(attempt_id)
             if running.process is not None:
-                returncode = running.process.poll()
-                if returncode is None:
-                    self._enforce_stop_deadline(attempt)
-                    self._report_live_recoveries(attempt)
-                    continue
+                alive = running.process.poll() is None
             else:
-                if _process_alive(running.pid, attempt["directory"]):
-                    self._enforce_stop_deadline(attempt)
-                    self._report_live_recoveries(attempt)
-                    continue
-                returncode = None
+                alive = processes.is_running(running.pid, running.started)
+            if alive:
+                self._enforce_stop_deadline(attempt)
+                self._report_live_recoveries(attempt)
+                self._check_stalled(attempt)
+                continue
             del self._running[attempt_id]
-            self._finish_attempt(attempt, returncode)
+            status = read_json(Path(attempt["directory"]) / EXIT_STATUS)
+            # No exit.json: the shim itself was killed (SIGKILL to the group, a reboot).
+            self._finish_attempt(attempt, status.get("returncode") if status else None)
+
+    def _check_stalled(self, attempt: dict[str, Any]) -> None:
+        heartbeat = Path(attempt["directory"]) / HEARTBEAT
+        try:
+            last = heartbeat.stat().st_mtime
+        except FileNotFoundError:
+            last = attempt["started_at"]
+        silent = time.time() - last
+        if silent < self.stall_seconds:
+            if attempt["stalled_at"]:
+                self.store.update_attempt(attempt["id"], stalled_at=None)  # it moves again
+            return
+        if attempt["stalled_at"]:
+            return
+        self.store.update_attempt(attempt["id"], stalled_at=time.time())
+        job = self.store.job(attempt["job_id"])
+        self.event(
+            job, "stalled", f"attempt {attempt['number']} has written no heartbeat for {silent / 60:.0f} minutes",
+            next_step=f"oomguard keeps it running; look at `oomguard logs {job['id']}`, and `oomguard cancel {job['id']}` if it hangs",
+        )
 
     def _enforce_stop_deadline(self, attempt: dict[str, Any]) -> None:
         sent = attempt["term_sent_at"]
@@ -273,7 +479,8 @@ class Supervisor:
 
     def _next_step(self, job: dict[str, Any], outcome: Outcome) -> None:
         if outcome.kind == "finished":
-            self._end_job(job, "finished", f"finished {outcome.step} steps; final model in {Path(job['workdir']) / 'final'}")
+            final = Path(job["workdir"]) / "final"
+            self._end_job(job, "finished", f"finished {outcome.step} steps; final model in {final}", next_step=f"nothing: the final model is in {final}")
             return
         if job["cancel_requested"]:
             self._end_job(job, "cancelled", f"cancelled at step {outcome.step} (checkpoint kept in {job['workdir']})")
@@ -288,18 +495,30 @@ class Supervisor:
         plan = outcome.plan or Plan.from_dict(json.loads(job["plan"]))
         history = [_past_attempt(a) for a in self.store.attempts(job["id"]) if a["outcome"]]
         decision = decide(outcome, plan, history, spec.policy())
-        if isinstance(decision, Retry) and outcome.plan is not None:
+        if isinstance(decision, (Retry, Wait)) and outcome.plan is not None:
             self.store.update_job(job["id"], plan=json.dumps(outcome.plan.to_dict()))
         if isinstance(decision, NextPlan):
             self.store.update_job(
                 job["id"], state="queued", plan=json.dumps(decision.plan.to_dict()), next_rung=decision.rung, next_reason=decision.reason
             )
-            self.event(job, "escalated", f"rung {decision.rung}: {decision.reason}")
+            self.event(
+                job, "escalated", f"rung {decision.rung}: {decision.reason}",
+                next_step=f"the next attempt runs under [{decision.plan.short()}] from the last checkpoint",
+            )
+        elif isinstance(decision, Wait):
+            waiting = f"waiting for {format_bytes(decision.free_bytes)} free after a neighbour's spike"
+            self.store.update_job(
+                job["id"], state="queued", next_rung=None, next_reason=decision.reason, waiting=waiting, wait_free_bytes=decision.free_bytes
+            )
+            self.event(job, "contention", decision.reason)
         elif isinstance(decision, Retry):
             self.store.update_job(job["id"], state="queued", next_rung=None, next_reason=decision.reason)
             self.event(job, "retry", decision.reason)
         elif isinstance(decision, GiveUp):
-            self._end_job(job, "failed", decision.reason, report=decision.report)
+            self._end_job(
+                job, "failed", decision.reason, report=decision.report,
+                next_step=f"nothing more: the job has ended; `oomguard show {job['id']}` has the report; change the job file (e.g. allow the rungs it names) and submit it again",
+            )
 
     def _report_live_recoveries(self, attempt: dict[str, Any]) -> None:
         heartbeat = read_json(Path(attempt["directory"]) / HEARTBEAT) or {}
@@ -314,13 +533,16 @@ class Supervisor:
         job = self.store.job(attempt["job_id"])
         for change in changes[reported:]:
             old, new = Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
-            self.event(job, "escalated", f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: {change['reason']}")
+            self.event(
+                job, "escalated", f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: {change['reason']}",
+                next_step=f"the attempt goes on under [{new.short()}] in the same process",
+            )
         self.store.update_attempt(attempt["id"], recoveries_reported=len(changes))
         attempt["recoveries_reported"] = len(changes)
 
-    def _end_job(self, job: dict[str, Any], state: str, result: str, report: str | None = None) -> None:
-        self.store.update_job(job["id"], state=state, ended_at=time.time(), result=result, report=report)
-        self.event(job, state, result + (f"\n{report}" if report else ""))
+    def _end_job(self, job: dict[str, Any], state: str, result: str, report: str | None = None, next_step: str | None = None) -> None:
+        self.store.update_job(job["id"], state=state, ended_at=time.time(), result=result, report=report, waiting=None)
+        self.event(job, state, result + (f"\n{report}" if report else ""), next_step=next_step)
 
     # Cancelling and stopping ----------------------------------------------------------------
 
@@ -357,3 +579,11 @@ class Supervisor:
 
     def job_done(self, job_id: int) -> bool:
         return self.store.job(job_id)["state"] in TERMINAL_STATES
+
+
+def _in_group(pid: int, group: int) -> bool:
+    """Is ``pid`` in the process group ``group`` (an attempt's shim leads its group)?"""
+    try:
+        return os.getpgid(pid) == group
+    except OSError:
+        return False

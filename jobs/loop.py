@@ -20,11 +20,13 @@ import torch
 
 from oomguard.jobs import checkpoints, train_state
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, Control, write_json_atomic
+from oomguard.jobs.emulated_gpus import AssignedGpu
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.probe import run_probe
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
 from oomguard.jobs.training import Training, build_training, free, one_step, oom_measurement, unfit_to_continue
+from oomguard.strategies.contention import find_contention
 from oomguard.strategies.doctor import decide_in_process
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import Outcome
@@ -70,7 +72,9 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
     recoveries: list[dict[str, Any]] = []
     say = lambda text: print(text, flush=True)  # noqa: E731
 
-    memory = DeviceMemory(schedule, device, lambda: training.device_tensors() if training is not None else {})
+    memory = DeviceMemory(
+        schedule, device, lambda: training.device_tensors() if training is not None else {}, gpu=AssignedGpu.from_environment()
+    )
 
     def ended(outcome: Outcome) -> Outcome:
         return dataclasses.replace(
@@ -161,7 +165,13 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                 if oom is not None:
                     free(training)
                     leftover = unfit_to_continue(memory, training.resident_bytes())
-                    if leftover is not None:
+                    record = records.get(training.plan)
+                    contention = find_contention(oom.memory, max(record.peaks) if record and record.peaks else None)
+                    if contention is not None:
+                        # Not the job's doing: no rung. The daemon waits for the memory to
+                        # come back and runs the same plan from the checkpoint.
+                        say(f"out of memory in {oom.phase} at step {progress.step}: {contention.describe()}; stopping for the daemon to wait")
+                    elif leftover is not None:
                         say(f"the failed step left {leftover / 2**20:.1f} MiB behind on the device: a new process must take over")
                     elif oom.phase in ("data", "forward", "backward") and config.recover_in_process and len(recoveries) < MAX_RECOVERIES:
                         recovery = decide_in_process(training.plan, measurements + _steady(records), job.policy(), oom.memory.total if oom.memory else None)
@@ -188,6 +198,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                     record.capacity = memory.capacity()
                     record.static = training.static_bytes()
                 progress.step += 1
+                memory.publish()
                 _report(attempt_dir, metrics, progress, job.train.max_steps, result.loss, samples_per_s, memory, training.plan.short(), recoveries)
                 due_by_steps = progress.step % job.train.checkpoint_every_steps == 0
                 every_seconds = job.train.checkpoint_every_seconds
@@ -207,6 +218,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
         oom = oom_outcome(error)
         return ended(oom)
     finally:
+        memory.withdraw()
         metrics.close()
 
 

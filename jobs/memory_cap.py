@@ -5,17 +5,22 @@
 - A cap without CUDA: the emulated device, which counts real tensors and raises PyTorch's OOM.
 
 A cap is a CapSchedule, so it may change at given steps (another process taking memory).
+On an emulated GPU (jobs/emulated_gpus.py) the capacity is the card's total less what the
+other processes on it hold, read at every step; the runner publishes what it holds itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
 from oomguard.jobs.device_memory import EmulatedDevice, limit_cuda_memory
+from oomguard.jobs.emulated_gpus import AssignedGpu
 from oomguard.jobs.sizes import CapSchedule, parse_size
 from oomguard.strategies.outcome import MemoryFigures
 
@@ -37,14 +42,23 @@ class DeviceMemory:
         schedule: CapSchedule | None,
         device: torch.device,
         groups: Callable[[], Mapping[str, Iterable[torch.Tensor | None]]] | None = None,
+        gpu: AssignedGpu | None = None,
     ) -> None:
         self.schedule = schedule
         self.device = device
         self.emulated: EmulatedDevice | None = None
         # The cap now in force on a real GPU (set_per_process_memory_fraction), if any.
         self.limit: int | None = None
-        if schedule is not None and device.type != "cuda":
-            self.emulated = EmulatedDevice(capacity=schedule.limit_at(0), groups=groups)
+        # An emulated GPU shared with other processes (only without CUDA: a real card is real).
+        self.gpu = gpu if device.type != "cuda" else None
+        # The least the other processes on the GPU held at a step start in this process: the
+        # baseline a neighbour's growth is measured from.
+        self.others_before: int | None = None
+        self._published: int | None = None
+        self._published_at = 0.0
+        if (schedule is not None or self.gpu is not None) and device.type != "cuda":
+            index = self.gpu.index if self.gpu is not None else 0
+            self.emulated = EmulatedDevice(capacity=self._emulated_limit(0), device_index=index, groups=groups)
 
     def __enter__(self) -> DeviceMemory:
         if self.emulated is not None:
@@ -55,15 +69,26 @@ class DeviceMemory:
         if self.emulated is not None:
             self.emulated.__exit__(*exc_info)
 
+    def _emulated_limit(self, step: int) -> int | None:
+        limits = [] if self.schedule is None else [self.schedule.limit_at(step)]
+        if self.gpu is not None:
+            limits.append(self.gpu.capacity_for(os.getpid()))
+        known = [limit for limit in limits if limit is not None]
+        return min(known) if known else None
+
     def begin_step(self, step: int) -> None:
-        """Apply the capacity the schedule gives for ``step``."""
+        """Apply the capacity for ``step`` (the schedule's, and the emulated GPU's room now)."""
+        others = self.others_bytes()
+        if others is not None:
+            self.others_before = others if self.others_before is None else min(self.others_before, others)
+        if self.emulated is not None:
+            self.emulated.capacity = self._emulated_limit(step)
+            return
         if self.schedule is None:
             return
         limit = self.schedule.limit_at(step)
         self.limit = limit
-        if self.emulated is not None:
-            self.emulated.capacity = limit
-        elif limit is not None:
+        if limit is not None:
             limit_cuda_memory(limit, self.device.index or 0)
         else:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device.index or 0)
@@ -116,8 +141,35 @@ class DeviceMemory:
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
+    def others_bytes(self) -> int | None:
+        """What the other processes on this GPU hold now (None: not known here)."""
+        if self.gpu is not None:
+            return self.gpu.folder.used_by_others(self.gpu.index, os.getpid())
+        if self.device.type == "cuda":
+            # Everything on the card that is not in our caching allocator (our CUDA context
+            # counts too, but it does not grow, and growth is what matters).
+            free, total = torch.cuda.mem_get_info(self.device)
+            return total - free - torch.cuda.memory_reserved(self.device)
+        return None
+
+    def publish(self, *, force: bool = False) -> None:
+        """Tell the emulated GPU what this process holds: the last step's peak, as a caching
+        allocator keeps it reserved. Written when it changes, at most twice a second."""
+        if self.gpu is None or self.emulated is None:
+            return
+        held = self.emulated.peak_bytes
+        now = time.monotonic()
+        if held != self._published and (force or now - self._published_at >= 0.5):
+            self.gpu.folder.publish(self.gpu.index, os.getpid(), held, "runner")
+            self._published, self._published_at = held, now
+
+    def withdraw(self) -> None:
+        if self.gpu is not None:
+            self.gpu.folder.withdraw(self.gpu.index, os.getpid())
+
     def oom_figures(self, message: str) -> MemoryFigures:
         """The memory figures of the OOM that just happened."""
+        others = {"others_before": self.others_before, "others_at_oom": self.others_bytes()}
         if self.emulated is not None and self.emulated.last_oom is not None:
             info = self.emulated.last_oom
             return MemoryFigures(
@@ -127,6 +179,7 @@ class DeviceMemory:
                 free=info.free,
                 total=info.total,
                 breakdown=dict(info.breakdown),
+                **others,
             )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -138,6 +191,7 @@ class DeviceMemory:
                 total=self.capacity(),
                 # Counted since the process started: the runner is one attempt.
                 alloc_retries=torch.cuda.memory_stats(self.device).get("num_alloc_retries"),
+                **others,
             )
-        return MemoryFigures(requested=requested_bytes(message))
+        return MemoryFigures(requested=requested_bytes(message), **others)
 

@@ -47,6 +47,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from oomguard.jobs.trainers import TRAINER_NAMES
 from oomguard.strategies.doctor import Policy
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
+from oomguard.jobs.sizes import parse_size
 from oomguard.strategies.plan import MixedPrecision, Plan
 
 __all__ = [
@@ -115,8 +116,8 @@ MODEL_KEYS: tuple[str, ...] = (
 _MODEL_DEFAULTS: dict[str, Any] = {"in_channels": 3, "out_channels": 3}
 _MODEL_REQUIRED = ("block_out_channels", "down_block_types", "up_block_types")
 
-_TOP_KEYS = ("name", "trainer", "priority", "workdir", "data", "model", "train", "ladder")
-_TOP_TABLES = ("data", "model", "train", "ladder")
+_TOP_KEYS = ("name", "trainer", "priority", "workdir", "data", "model", "train", "ladder", "resources", "notify")
+_TOP_TABLES = ("data", "model", "train", "ladder", "resources", "notify")
 _DATA_KEYS = ("source", "resolution", "random_flip")
 _TRAIN_KEYS = (
     "batch_size",
@@ -133,12 +134,19 @@ _TRAIN_KEYS = (
     "micro_batch",
 )
 _LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe")
+_RESOURCES_KEYS = ("gpus", "share", "memory")
+_NOTIFY_KEYS = ("urls", "tags", "events")
+# What a job can be notified of (daemon/notifier.py); `escalated` is opt-in.
+NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "escalated", "stalled")
+DEFAULT_NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "stalled")
 _SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
     None: _TOP_KEYS,
     "data": _DATA_KEYS,
     "model": MODEL_KEYS,
     "train": _TRAIN_KEYS,
     "ladder": _LADDER_KEYS,
+    "resources": _RESOURCES_KEYS,
+    "notify": _NOTIFY_KEYS,
 }
 # Keys people reach for that have a better home.
 _SPECIAL_HINTS: dict[str, str] = {
@@ -326,6 +334,47 @@ class LadderSpec:
 
 
 @dataclass(frozen=True)
+class ResourcesSpec:
+    """What the job needs of the box: how many GPUs, and whether it may share them."""
+
+    gpus: int = 1
+    # Share GPUs with other jobs by memory (default: a GPU to itself).
+    share: bool = False
+    # Device memory per GPU the job expects to need, in bytes (None: learn it by running).
+    memory: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "share": self.share, "memory": self.memory}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ResourcesSpec:
+        return cls(gpus=int(data.get("gpus", 1)), share=bool(data.get("share", False)), memory=data.get("memory"))
+
+
+@dataclass(frozen=True)
+class NotifySpec:
+    """Whom to tell, and about what: apprise URLs of the job's own, tags that pick servers of
+    the daemon's apprise configuration, and the events (see NOTIFY_EVENTS)."""
+
+    urls: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    events: tuple[str, ...] = DEFAULT_NOTIFY_EVENTS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"urls": list(self.urls), "tags": list(self.tags), "events": list(self.events)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NotifySpec:
+        return cls(
+            urls=tuple(data.get("urls") or ()), tags=tuple(data.get("tags") or ()), events=tuple(data.get("events") or DEFAULT_NOTIFY_EVENTS)
+        )
+
+    def without_urls(self, redact: Any) -> NotifySpec:
+        """The same, with every URL passed through ``redact`` (for the shared store)."""
+        return dataclasses.replace(self, urls=tuple(redact(url) for url in self.urls))
+
+
+@dataclass(frozen=True)
 class JobSpec:
     """One validated job file. ``source_path`` is where it was read from (not a TOML key)."""
 
@@ -335,6 +384,8 @@ class JobSpec:
     model: ModelSpec
     train: TrainSpec
     ladder: LadderSpec = field(default_factory=LadderSpec)
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    notify: NotifySpec = field(default_factory=NotifySpec)
     priority: int = 0
     workdir: str | None = None
     source_path: str | None = None
@@ -367,6 +418,8 @@ class JobSpec:
             "model": self.model.to_dict(),
             "train": self.train.to_dict(),
             "ladder": self.ladder.to_dict(),
+            "resources": self.resources.to_dict(),
+            "notify": self.notify.to_dict(),
             "source_path": self.source_path,
         }
 
@@ -713,6 +766,10 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
     train = _parse_train(ctx, train_section)
     ladder_section = top.table("ladder", required=False)
     ladder = _parse_ladder(ctx, ladder_section) if ladder_section is not None else LadderSpec()
+    resources_section = top.table("resources", required=False)
+    resources = _parse_resources(resources_section) if resources_section is not None else ResourcesSpec()
+    notify_section = top.table("notify", required=False)
+    notify = _parse_notify(notify_section) if notify_section is not None else NotifySpec()
     return JobSpec(
         name=name,
         trainer=trainer,
@@ -720,6 +777,8 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
         model=model,
         train=train,
         ladder=ladder,
+        resources=resources,
+        notify=notify,
         priority=priority,
         workdir=workdir,
         source_path=source_path,
@@ -897,3 +956,39 @@ def _parse_ladder(ctx: _Ctx, s: _Section) -> LadderSpec:
     crash_retries = s.int("crash_retries", minimum=0, default=2)
     probe = s.bool("probe", default=True)
     return LadderSpec(allow=tuple(allow), max_attempts=max_attempts, crash_retries=crash_retries, probe=probe)
+
+
+def _parse_resources(s: _Section) -> ResourcesSpec:
+    gpus = s.int("gpus", minimum=1, maximum=64, default=1)
+    share = s.bool("share", default=False)
+    memory = s.get("memory", None)
+    if memory is not None:
+        if _is_int(memory) and memory > 0:
+            memory = int(memory)
+        elif isinstance(memory, str):
+            try:
+                memory = parse_size(memory)
+            except ValueError as error:
+                raise s.fail("memory", str(error)) from None
+        else:
+            raise s.fail("memory", f"expected a size such as \"20GiB\", found {_describe(memory)}")
+    return ResourcesSpec(gpus=gpus, share=share, memory=memory)
+
+
+def _string_list(s: _Section, k: str) -> tuple[str, ...]:
+    value = s.get(k, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise s.fail(k, f"expected a list of non-empty strings, found {_describe(value)}")
+    return tuple(value)
+
+
+def _parse_notify(s: _Section) -> NotifySpec:
+    urls = _string_list(s, "urls")
+    for url in urls:
+        scheme, separator, _ = url.partition("://")
+        if not separator or not scheme.replace("+", "").isalnum():
+            # Never echo the URL: it may hold a token.
+            raise s.fail("urls", f"entry {urls.index(url) + 1} is not an apprise URL (expected SCHEME://..., e.g. json://host/path or mailto://...)")
+    tags = _string_list(s, "tags")
+    events = s.names("events", NOTIFY_EVENTS, "notification event", default=DEFAULT_NOTIFY_EVENTS)
+    return NotifySpec(urls=urls, tags=tags, events=tuple(events))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oomguard.strategies import ladder, planner
+from oomguard.strategies.contention import Contention, find_contention
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
 from oomguard.strategies.outcome import MemoryFigures, Outcome, format_bytes
@@ -38,6 +39,9 @@ class Policy:
     allow: tuple[str, ...] = EXACT_RUNG_NAMES
     max_attempts: int = 12
     crash_retries: int = 2
+    # Attempts cut short by a neighbour's spike (contention) in a row, at most: a GPU that
+    # other processes keep taking needs a person.
+    max_waits: int = 20
     # The job's own first plan: the planner searches everything reachable from it.
     initial: Plan | None = None
 
@@ -65,6 +69,15 @@ class Retry:
 
 
 @dataclass(frozen=True)
+class Wait:
+    """Another process took the memory: wait until ``free_bytes`` are free on the job's GPUs
+    again, then run the same plan."""
+
+    reason: str
+    free_bytes: int
+
+
+@dataclass(frozen=True)
 class GiveUp:
     """Stop: a person has to act. ``report`` says what was tried and what could be done."""
 
@@ -72,7 +85,7 @@ class GiveUp:
     report: str
 
 
-Decision = NextPlan | Retry | GiveUp
+Decision = NextPlan | Retry | Wait | GiveUp
 
 
 def is_fragmentation(memory: MemoryFigures | None) -> bool:
@@ -110,9 +123,11 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
 
     ``history`` holds the job's earlier attempts, this one included.
     """
-    if len(history) >= policy.max_attempts:
+    # Interruptions and neighbours' spikes are not the job's doing: they do not use up its tries.
+    counted = [past for past in history if past.outcome.kind != "interrupted" and contention_of(past) is None]
+    if len(counted) >= policy.max_attempts:
         return GiveUp(
-            reason=f"{len(history)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}",
+            reason=f"{len(counted)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}",
             report=report(history, policy),
         )
     if outcome.kind == "interrupted":
@@ -122,8 +137,45 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
     if outcome.kind == "diverged":
         return GiveUp(reason=f"the loss diverged at step {outcome.step}: {outcome.message}", report=report(history, policy))
     if outcome.kind == "oom":
+        contention = find_contention(outcome.memory, steady_peak(outcome, plan))
+        if contention is not None:
+            return _after_contention(contention, outcome, plan, history, policy)
         return _after_oom(outcome, plan, history, policy)
     raise ValueError(f"no decision to make after an attempt that ended {outcome.kind!r}")
+
+
+def steady_peak(outcome: Outcome, plan: Plan) -> int | None:
+    """The peak ``plan`` had over its steady steps in the attempt, when it ran any."""
+    peaks = [m.peak_bytes for m in outcome.measurements if m.fits and m.plan == plan]
+    return max(peaks) if peaks else None
+
+
+def contention_of(past: PastAttempt) -> Contention | None:
+    if past.outcome.kind != "oom":
+        return None
+    return find_contention(past.outcome.memory, steady_peak(past.outcome, past.plan))
+
+
+def _after_contention(contention: Contention, outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
+    streak = 0
+    for past in reversed(history):
+        if contention_of(past) is None:
+            break
+        streak += 1
+    if streak > policy.max_waits:
+        return GiveUp(
+            reason=f"other processes took the GPU's memory {streak} times in a row; free the GPU or move the job",
+            report=report(history, policy),
+        )
+    peak = steady_peak(outcome, plan)
+    needed = max(peak or 0, contention.needed)
+    # The margin a plan that ran gets (memory_model.MARGIN_RAN), so the retry is not a coin toss.
+    free_bytes = int(needed * 1.03)
+    return Wait(
+        reason=f"{describe_oom(outcome)}; {contention.describe()} -> wait until {format_bytes(free_bytes)} are free, "
+        f"then run the same plan [{plan.short()}] again (no rung for a neighbour's spike)",
+        free_bytes=free_bytes,
+    )
 
 
 def _after_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
@@ -158,8 +210,8 @@ def _origin(plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Plan:
 
 
 def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
-    # A plan that ran out of memory is never run again.
-    failed = {past.plan for past in history if past.outcome.kind == "oom"} | {plan}
+    # A plan that ran out of memory is never run again (unless a neighbour made it run out).
+    failed = {past.plan for past in history if past.outcome.kind == "oom" and contention_of(past) is None} | {plan}
     diagnosis = describe_oom(outcome)
     memory = outcome.memory
     if is_fragmentation(memory) and "allocator" in policy.allow:

@@ -54,6 +54,10 @@ class MemoryFigures:
     # How many times the CUDA caching allocator freed its cache and retried during the
     # attempt (torch.cuda.memory_stats()["num_alloc_retries"]), when known.
     alloc_retries: int | None = None
+    # What the other processes on the same GPU held when this attempt began training and at
+    # the OOM (NVML, or the emulated GPU's files), when known: the evidence for contention.
+    others_before: int | None = None
+    others_at_oom: int | None = None
 
     @property
     def reserved_unallocated(self) -> int | None:

@@ -8,12 +8,14 @@ from oomguard.strategies.doctor import (
     PastAttempt,
     Policy,
     Retry,
+    Wait,
     decide,
     describe_oom,
     format_bytes,
     is_fragmentation,
     report,
 )
+from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
 from oomguard.strategies.outcome import (
     EXIT_CRASHED,
@@ -364,7 +366,7 @@ def test_no_decision_after_a_normal_end(kind):
 
 @pytest.mark.parametrize(
     "outcome",
-    [oom(), fragmented(), crash(), Outcome(kind="interrupted"), Outcome(kind="diverged")],
+    [oom(), fragmented(), crash(), Outcome(kind="diverged")],
     ids=lambda o: o.kind,
 )
 @pytest.mark.parametrize("max_attempts", [1, 3])
@@ -521,3 +523,68 @@ def test_without_numbers_the_rungs_for_the_dominant_consumer_come_first(dominant
     decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy(allow=allow))
     assert isinstance(decision, NextPlan) and decision.rung == rung, decision
     assert f"largest consumer: {dominant}" in decision.reason
+
+
+def test_interruptions_do_not_use_up_attempts():
+    history = [PastAttempt(START, Outcome(kind="interrupted"))] * 5
+    decision = decide(Outcome(kind="interrupted"), START, history, Policy(max_attempts=2))
+    assert isinstance(decision, Retry)
+
+
+# Contention: a neighbour grew while the job did not -------------------------------------
+
+
+def steady(plan: Plan, peak: int) -> Measurement:
+    return Measurement(plan=plan, fits=True, peak_bytes=peak, capacity=64 * MiB, samples_per_s=10.0)
+
+
+def neighbour_oom(before: int, at_oom: int, allocated: int, requested: int, capacity: int, peak: int | None = 30 * MiB) -> Outcome:
+    memory = MemoryFigures(
+        requested=requested, allocated=allocated, reserved=allocated, free=capacity - allocated, total=capacity,
+        others_before=before, others_at_oom=at_oom,
+    )
+    measurements = (steady(START, peak),) if peak is not None else ()
+    return Outcome(kind="oom", step=7, phase="forward", memory=memory, measurements=measurements)
+
+
+def test_a_neighbours_spike_means_wait_and_the_same_plan():
+    outcome = neighbour_oom(before=0, at_oom=40 * MiB, allocated=20 * MiB, requested=8 * MiB, capacity=24 * MiB)
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
+    assert isinstance(decision, Wait)
+    assert decision.free_bytes == int(30 * MiB * 1.03)  # the plan's steady peak with the margin of a plan that ran
+    assert "contention" in decision.reason and "no rung" in decision.reason
+
+
+def test_growth_of_our_own_is_not_contention():
+    # Others grew a little, but the job asked for far more than it ever used: an ordinary OOM.
+    outcome = neighbour_oom(before=0, at_oom=2 * MiB, allocated=60 * MiB, requested=20 * MiB, capacity=62 * MiB)
+    assert not isinstance(decide(outcome, START, [PastAttempt(START, outcome)], Policy()), Wait)
+
+
+def test_noise_is_not_contention():
+    outcome = neighbour_oom(before=10 * MiB, at_oom=10 * MiB + 1000, allocated=50 * MiB, requested=8 * MiB, capacity=54 * MiB)
+    assert not isinstance(decide(outcome, START, [PastAttempt(START, outcome)], Policy()), Wait)
+
+
+def test_contention_without_a_steady_peak_uses_the_room_before():
+    # The first step of an attempt: no steady peak yet, but what it needed fitted before the neighbour grew.
+    outcome = neighbour_oom(before=0, at_oom=30 * MiB, allocated=20 * MiB, requested=10 * MiB, capacity=34 * MiB, peak=None)
+    assert isinstance(decide(outcome, START, [PastAttempt(START, outcome)], Policy()), Wait)
+
+
+def test_contention_neither_uses_up_attempts_nor_bans_the_plan():
+    spike = neighbour_oom(before=0, at_oom=40 * MiB, allocated=20 * MiB, requested=8 * MiB, capacity=24 * MiB)
+    history = [PastAttempt(START, spike)] * 5
+    assert isinstance(decide(spike, START, history, Policy(max_attempts=3)), Wait)
+    # A later ordinary OOM of a smaller plan may go back to START: the neighbour's OOM did not ban it.
+    smaller = START.replace(micro_batch=8)
+    ordinary = oom()
+    decision = decide(ordinary, smaller, [*history, PastAttempt(smaller, ordinary)], Policy(initial=START))
+    assert isinstance(decision, NextPlan) and decision.plan != smaller
+
+
+def test_contention_is_bounded():
+    spike = neighbour_oom(before=0, at_oom=40 * MiB, allocated=20 * MiB, requested=8 * MiB, capacity=24 * MiB)
+    history = [PastAttempt(START, spike)] * 21
+    decision = decide(spike, START, history, Policy(max_waits=20))
+    assert isinstance(decision, GiveUp) and "21 times in a row" in decision.reason

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.daemon.notify import SystemdNotifier
+from oomguard.daemon.sd_notify import SystemdNotifier
 
 ROOT = Path(__file__).parents[1]
 UNITS = ["oomguard.service", "oomguard-user.service"]

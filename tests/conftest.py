@@ -1,0 +1,112 @@
+"""Fixtures shared by the unit tests and the end-to-end tests.
+
+Users: the tests marked ``as_root`` create throwaway local users (ogtest-alice, -bob, -carol)
+and groups (ogtest-extra, ogtest-admin) with useradd/groupadd and remove them at the end of
+the session; they are skipped unless the tests run as root on a machine with useradd.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from oomguard.daemon.users import Account
+
+_ROOT_REASON = (
+    "needs root and useradd/groupadd/usermod/userdel to create throwaway users"
+    if shutil.which("useradd") is None or shutil.which("groupadd") is None
+    else "needs root (euid 0) to create throwaway users and run processes as them"
+)
+as_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(t) for t in ("useradd", "userdel", "groupadd", "groupdel", "usermod")),
+    reason=_ROOT_REASON,
+)
+
+ALICE, BOB, CAROL = "ogtest-alice", "ogtest-bob", "ogtest-carol"
+EXTRA, ADMIN = "ogtest-extra", "ogtest-admin"
+
+
+def _sh(*argv: str) -> None:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}: {result.stderr.strip()}")
+
+
+def group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+def user_exists(name: str) -> bool:
+    try:
+        pwd.getpwnam(name)
+        return True
+    except KeyError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def accounts() -> Iterator[dict[str, Account]]:
+    """alice (also in ogtest-extra), bob, carol (in ogtest-admin). Idempotent: users and groups
+    left over from a crashed run are reused."""
+    for group in (EXTRA, ADMIN):
+        if not group_exists(group):
+            _sh("groupadd", group)
+    for name in (ALICE, BOB, CAROL):
+        if not user_exists(name):
+            _sh("useradd", "-M", "-U", "-s", "/usr/sbin/nologin", "-d", f"/nonexistent/{name}", name)
+    _sh("usermod", "-aG", EXTRA, ALICE)
+    _sh("usermod", "-aG", ADMIN, CAROL)
+    try:
+        yield {name.removeprefix("ogtest-"): Account.from_name(name) for name in (ALICE, BOB, CAROL)}
+    finally:
+        for name in (ALICE, BOB, CAROL):
+            subprocess.run(["userdel", name], capture_output=True, timeout=30)
+        for group in (EXTRA, ADMIN, ALICE, BOB, CAROL):  # user groups too, if userdel left them
+            if group_exists(group):
+                subprocess.run(["groupdel", group], capture_output=True, timeout=30)
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A root-owned 0755 directory that every user can reach (pytest's tmp_path is 0700)."""
+    folder = Path(tempfile.mkdtemp(prefix="ogtest-", dir="/tmp"))
+    folder.chmod(0o755)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+
+@pytest.fixture(scope="session")
+def others_can_run_oomguard() -> Iterator[None]:
+    """Other users must be able to start this Python and read this checkout to run jobs as
+    themselves. A test machine's interpreter often sits under a private home (/root is 0700):
+    grant search (x, not read) on the folders in the way for the session, and take it back."""
+    changed: list[tuple[Path, int]] = []
+    targets = [Path(sys.executable).resolve(), Path(sys.prefix).resolve(), Path(__file__).resolve().parent.parent]
+    for target in targets:
+        for folder in [target, *target.parents] if target.is_dir() else list(target.parents):
+            mode = stat.S_IMODE(folder.stat().st_mode)
+            if not mode & stat.S_IXOTH:
+                changed.append((folder, mode))
+                folder.chmod(mode | stat.S_IXOTH)
+    try:
+        yield
+    finally:
+        for folder, mode in reversed(changed):
+            folder.chmod(mode)
