@@ -234,9 +234,13 @@ def redact_text(text: str, urls: Iterable[str]) -> str:
     password or header value of it that appears on its own masked, as is the password of
     any other ``scheme://user:password@`` in the text)."""
     urls = sorted({url for url in urls if url}, key=len, reverse=True)  # longest first
-    for url in urls:
+    for number, url in enumerate(urls):
         if url in text:
-            text = text.replace(url, redact_url(url))
+            redacted = redact_url(url)
+            # The text may hold the redacted form already, which may start with the URL itself
+            # (nothing to mask, only apprise's defaults added): set it aside while replacing.
+            placeholder = f"\0{number}\0"
+            text = text.replace(redacted, placeholder).replace(url, redacted).replace(placeholder, redacted)
     for url in urls:
         for part in _secret_parts(url):
             text = text.replace(part, _MASK)

@@ -66,7 +66,7 @@ def outcome_without_report(attempt_dir: Path, returncode: int | None) -> Outcome
     command that does not report): an OOM its output shows (a CUDA OOM it printed, the kernel's
     OOM killer), else what the exit status says. ``returncode`` is None when no daemon watched."""
     if returncode is None:
-        fallback = Outcome(kind="crashed", message="the runner ended while no daemon was watching, without reporting")
+        fallback = Outcome(kind="crashed", message="the attempt was killed with its shim (no exit status recorded), without reporting")
     else:
         fallback = Outcome.from_exit_status(returncode)
     try:
@@ -246,6 +246,11 @@ class Supervisor:
                 continue
             result = self.spool.take(path)
             if isinstance(result, Arrival):
+                try:
+                    spawn_options(result.owner)  # a daemon not run as root runs only its own user's jobs
+                except PermissionRefused as error:
+                    print(f"rejected {path.name}: {self.spool.reject(path, str(error)).error}", flush=True)
+                    continue
                 job_id = self.add_job(result.spec, result.owner, spool_file=result.spool_file)
                 self.spool.accept(path, job_id)
             elif isinstance(result, Request):
@@ -282,8 +287,11 @@ class Supervisor:
     # Starting -------------------------------------------------------------------------------
 
     def _start_queued(self) -> None:
+        queued = self.store.queued_jobs()
+        if not queued:
+            return
         gpus = self.gpus.read() if self.gpus is not None else None
-        for job in self.store.queued_jobs():
+        for job in queued:
             limit = self.max_parallel if self.max_parallel is not None else (None if gpus is not None else 1)
             if limit is not None and len(self._running) >= limit:
                 return
@@ -349,7 +357,12 @@ class Supervisor:
             probe=spec.ladder.probe and number == 1,
         )
         newest = checkpoints.latest_valid(workdir / "checkpoints", warn=lambda text: self.event(job, "checkpoint", text))
-        owner = self._owner(job)
+        try:
+            owner = self._owner(job)
+            credentials = spawn_options(owner)
+        except (PermissionRefused, KeyError) as error:
+            self._end_job(job, "failed", f"cannot run it as its owner {job['owner']}: {error}", next_step="nothing: the job has ended; submit it again as a user that exists")
+            return
         env = ladder.process_environment(plan, child_environment(owner, os.environ))
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
@@ -358,16 +371,23 @@ class Supervisor:
         runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
         # The shim (as the owner, in a session of its own) writes attempt.json from its
         # standard input, runs the runner and records its exit status for any daemon to read.
-        process = subprocess.Popen(
-            [sys.executable, "-m", "oomguard.daemon.shim", str(attempt_dir), "--", *runner],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            cwd=workdir,
-            start_new_session=True,
-            **spawn_options(owner),
-        )
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "oomguard.daemon.shim", str(attempt_dir), "--", *runner],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=env,
+                cwd=workdir,
+                start_new_session=True,
+                **credentials,
+            )
+        except OSError as error:
+            self._end_job(
+                job, "failed", f"cannot start its attempt in {workdir}: {error.strerror or error}",
+                next_step=f"nothing: the job has ended; check that {workdir} exists and belongs to {owner.name}, and submit it again",
+            )
+            return
         started = processes.start_ticks(process.pid)
         assert process.stdin is not None
         try:
@@ -438,7 +458,7 @@ class Supervisor:
         self.store.update_attempt(attempt["id"], stalled_at=time.time())
         job = self.store.job(attempt["job_id"])
         self.event(
-            job, "stalled", f"attempt {attempt['number']} has written no heartbeat for {silent / 60:.0f} minutes",
+            job, "stalled", f"attempt {attempt['number']} has written no heartbeat for " + (f"{silent:.0f} s" if silent < 120 else f"{silent / 60:.0f} minutes"),
             next_step=f"oomguard keeps it running; look at `oomguard logs {job['id']}`, and `oomguard cancel {job['id']}` if it hangs",
         )
 

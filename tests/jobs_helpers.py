@@ -139,9 +139,9 @@ def run_runners(attempt_dirs: list[Path], timeout: float = 180) -> list[RunResul
 
 
 @contextmanager
-def running_runner(attempt_dir: Path) -> Iterator[subprocess.Popen[str]]:
+def running_runner(attempt_dir: Path, extra_env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[str]]:
     """A started runner that is killed on the way out if the test left it running."""
-    process = start_runner(attempt_dir)
+    process = start_runner(attempt_dir, extra_env)
     try:
         yield process
     finally:
@@ -150,10 +150,10 @@ def running_runner(attempt_dir: Path) -> Iterator[subprocess.Popen[str]]:
             process.wait()
 
 
-def start_runner(attempt_dir: Path) -> subprocess.Popen[str]:
+def start_runner(attempt_dir: Path, extra_env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     log = (attempt_dir / "output.log").open("w")
     return subprocess.Popen(
-        runner_command(attempt_dir), stdout=log, stderr=subprocess.STDOUT, text=True, env=runner_env()
+        runner_command(attempt_dir), stdout=log, stderr=subprocess.STDOUT, text=True, env={**runner_env(), **(extra_env or {})}
     )
 
 

@@ -47,3 +47,42 @@ def test_the_environment_variable_sets_the_emulated_cap(tmp_path: Path, monkeypa
     monkeypatch.setenv("OOMGUARD_EMULATE_DEVICE_MEMORY", "12 parsecs")
     result = oomguard("run", str(tiny_job(tmp_path)), "--workdir", str(tmp_path / "w"))
     assert result.returncode == 2 and "not a memory size: '12 parsecs'" in result.stderr
+
+
+def test_a_bad_emulated_gpu_list_is_refused(tmp_path: Path) -> None:
+    result = oomguard("daemon", "--emulate-gpus", "two big ones", state_dir=tmp_path / "state")
+    assert result.returncode == 2
+    assert "--emulate-gpus: not an emulated GPU list: 'two big ones'" in result.stderr and "e.g. 2x64MiB" in result.stderr
+
+
+def test_gpus_before_any_sample_says_why(tmp_path: Path) -> None:
+    result = oomguard("gpus", state_dir=tmp_path / "state")
+    assert result.returncode == 1 and "no GPU samples yet" in result.stderr and "--emulate-gpus" in result.stderr
+
+
+def test_a_neighbour_needs_emulated_gpus(tmp_path: Path) -> None:
+    result = oomguard("neighbour", "--take", "10MiB", state_dir=tmp_path / "state")
+    assert result.returncode == 2 and "holds no emulated GPUs" in result.stderr and "--emulate-gpus" in result.stderr
+
+
+def test_cancel_and_report_of_an_unknown_job(tmp_path: Path) -> None:
+    for command in (("cancel", "7"), ("report", "7"), ("show", "nope")):
+        result = oomguard(*command, state_dir=tmp_path / "state")
+        assert result.returncode == 3 and "`oomguard status` lists the jobs" in result.stderr, command
+
+
+def test_report_of_a_job_that_has_not_started(tmp_path: Path) -> None:
+    assert oomguard("submit", str(tiny_job(tmp_path)), "--wait", "0", state_dir=tmp_path / "state").returncode == 0
+    # No daemon: record it the way the daemon would, without starting it.
+    from oomguard.daemon.paths import StateDir
+    from oomguard.daemon.store import Store
+    from oomguard.daemon.supervisor import Supervisor
+    from oomguard.daemon.users import Account
+    from oomguard.jobs.spec import load_job_file
+
+    state = StateDir(tmp_path / "state").create()
+    store = Store(state.database)
+    Supervisor(state, store).add_job(load_job_file(tiny_job(tmp_path)), Account.current())
+    store.close()
+    result = oomguard("report", "1", "-o", str(tmp_path / "r.png"), state_dir=tmp_path / "state")
+    assert result.returncode == 1 and "has no attempts yet" in result.stderr and not (tmp_path / "r.png").exists()

@@ -430,3 +430,11 @@ def test_default_config_paths(tmp_path, monkeypatch):
     assert tmp_path / ".apprise" not in found
     monkeypatch.setenv("APPRISE_CONFIG_PATH", f"{conf};{tmp_path / 'missing.yml'}")
     assert default_config_paths() == [conf]
+
+
+def test_redact_text_does_not_redact_twice():
+    url = "json://127.0.0.1:9/dead"
+    redacted = redact_url(url)
+    assert redacted.startswith(url) and redacted != url  # apprise adds its defaults
+    line = f"to {redacted}, then to {url}"
+    assert redact_text(line, [url]) == f"to {redacted}, then to {redacted}"

@@ -245,7 +245,7 @@ def test_diagnose_prints_the_verdict_sizes_line_and_action(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("fixture", "words"),
     [
-        ("cuda_new_format_other_process", "wait for the other processes' memory"),
+        ("cuda_new_format_other_process", "waits for the other processes' memory"),
         ("cuda_old_format", "cheapest allowed rung of the ladder"),
         ("host_kernel_oom_killer", "host RAM ran out, not the GPU"),
         ("illegal_memory_access", "not an out-of-memory error"),

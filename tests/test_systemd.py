@@ -51,6 +51,7 @@ def test_tmpfiles_make_an_inbox_everyone_may_write_but_not_list(tmp_path):
     assert (state / "spool" / "inbox").stat().st_mode & 0o7777 == 0o1733
     assert (state / "spool" / "rejected").stat().st_mode & 0o7777 == 0o700
     assert (state / "jobs").is_dir()
+    assert (state / "secrets").stat().st_mode & 0o7777 == 0o700
 
 
 def listen(path: Path) -> socket.socket:
