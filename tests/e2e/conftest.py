@@ -101,12 +101,19 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     for daemon in started:
         if daemon.alive():
             daemon.stop()
-    # Leave no runner behind: they run in their own sessions.
+    kill_leftovers(tmp_path)
+
+
+def kill_leftovers(folder: Path) -> None:
+    """Leave no shim or runner of a test behind: they run in sessions of their own."""
     for pid_dir in Path("/proc").iterdir():
         if pid_dir.name.isdigit():
             try:
                 cmdline = (pid_dir / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"oomguard.jobs.run" in cmdline and str(tmp_path).encode() in cmdline:
-                os.kill(int(pid_dir.name), signal.SIGKILL)
+            if b"oomguard" in cmdline and str(folder).encode() in cmdline:
+                try:
+                    os.kill(int(pid_dir.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import as_root
-from tests.e2e.conftest import Daemon, oomguard, wait_for
+from tests.e2e.conftest import Daemon, kill_leftovers, oomguard, wait_for
 from tests.jobs_helpers import TINY_JOB
 
 pytestmark = [as_root, pytest.mark.slow]
@@ -61,22 +61,8 @@ def lab(accounts, others_can_run_oomguard) -> Iterator[Path]:
     try:
         yield folder
     finally:
-        _kill_leftovers(folder)
+        kill_leftovers(folder)
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _kill_leftovers(folder: Path) -> None:
-    for pid_dir in Path("/proc").iterdir():
-        if pid_dir.name.isdigit():
-            try:
-                cmdline = (pid_dir / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"oomguard" in cmdline and str(folder).encode() in cmdline:
-                try:
-                    os.kill(int(pid_dir.name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 def as_user(account_name: str, *args: str, state: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
