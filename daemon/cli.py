@@ -74,8 +74,13 @@ def open_store(state_dir: Path) -> tuple[StateDir, Store]:
 
 
 def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:
+    """The newest attempt's heartbeat; None also when it is another user's to read (a job's
+    workdir belongs to its owner)."""
     attempts = store.attempts(job_id)
-    return read_json(Path(attempts[-1]["directory"]) / HEARTBEAT) if attempts else None
+    try:
+        return read_json(Path(attempts[-1]["directory"]) / HEARTBEAT) if attempts else None
+    except PermissionError:
+        return None
 
 
 def job_record(store: Store, job: dict[str, Any]) -> dict[str, Any]:
@@ -308,10 +313,15 @@ def cmd_logs(args: argparse.Namespace) -> int:
             if attempt["directory"] not in printed:
                 print(f"== attempt {attempt['number']} ({_short_plan(json.loads(attempt['plan']))}) ==", flush=True)
                 printed[attempt["directory"]] = 0
-            if log.exists():
+            try:
                 with log.open("rb") as f:
                     f.seek(printed[attempt["directory"]])
                     chunk = f.read()
+            except FileNotFoundError:
+                chunk = b""  # the attempt has not started writing yet
+            except PermissionError:
+                raise CliError(f"cannot read {log}: it belongs to {job['owner']}, whose job it is; ask them, or run it as root", EXIT_FAILED) from None
+            if chunk:
                 sys.stdout.write(chunk.decode("utf-8", errors="replace"))
                 sys.stdout.flush()
                 printed[attempt["directory"]] += len(chunk)

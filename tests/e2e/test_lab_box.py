@@ -110,6 +110,11 @@ def test_three_jobs_two_users_two_gpus_oom_neighbour_and_a_killed_daemon(lab: Pa
         assert waiting["state"] == "queued" and "GPU 0 is taken by job" in waiting["waiting"] and "GPU 1 is taken by job" in waiting["waiting"]
         status = oomguard("status", state_dir=state, check=True).stdout
         assert "waiting: needs 1 GPU" in status and "ogtest-alice" in status and "ogtest-bob" in status
+        # Users read the daemon's store too (read-only), their own jobs and others'.
+        seen_by_bob = as_user(bob.name, "status", state=state, cwd=lab / "bob")
+        assert seen_by_bob.returncode == 0 and "alice-a" in seen_by_bob.stdout and "bob-b" in seen_by_bob.stdout, seen_by_bob.stderr
+        not_his = as_user(bob.name, "logs", "1", state=state, cwd=lab / "bob")
+        assert not_his.returncode == 1 and "it belongs to ogtest-alice" in not_his.stderr
 
         # A third user may not cancel alice's job; nothing changes.
         refused = as_user(accounts["carol"].name, "cancel", "3", state=state, cwd=lab / "carol")
