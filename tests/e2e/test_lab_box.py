@@ -25,28 +25,13 @@ pytestmark = [as_root, pytest.mark.slow]
 
 GPUS = "2x64MiB"
 
-# Job B: at 32x32 its full batch of 48 needs more than a 64 MiB GPU, half of it fits. The
-# probe is off, so the first attempt starts at the full batch and runs out of memory.
-BIG_BATCH_JOB = """\
-name = "{name}"
-trainer = "unconditional"
-[data]
-source = "synthetic:48"
-resolution = 32
-[model]
-block_out_channels = [8, 16]
-layers_per_block = 1
-down_block_types = ["DownBlock2D", "DownBlock2D"]
-up_block_types = ["UpBlock2D", "UpBlock2D"]
-norm_num_groups = 4
-[train]
-batch_size = 48
-max_steps = {max_steps}
-learning_rate = 1e-3
-checkpoint_every_steps = 5
-[ladder]
-probe = false
-"""
+def big_batch_job(name: str, max_steps: int) -> str:
+    """The tiny UNet at 32x32 with a batch of 48: the full batch needs more than a 64 MiB GPU,
+    half of it fits. The probe is off, so the first attempt starts at the full batch and runs
+    out of memory."""
+    text = TINY_JOB.format(name=name, batch_size=48, max_steps=max_steps, checkpoint_every_steps=5, keep_checkpoints=2)
+    text = text.replace('source = "synthetic:16"', 'source = "synthetic:48"').replace("resolution = 16", "resolution = 32")
+    return text + "\n[ladder]\nprobe = false\n"
 
 
 @pytest.fixture
@@ -93,7 +78,7 @@ def test_three_jobs_two_users_two_gpus_oom_neighbour_and_a_killed_daemon(lab: Pa
     state = lab / "state"
     tiny = lambda name, steps: TINY_JOB.format(name=name, batch_size=8, max_steps=steps, checkpoint_every_steps=10, keep_checkpoints=2)  # noqa: E731
     job_a = write_job(lab / "alice", alice, "alice-a", tiny("alice-a", 150))
-    job_b = write_job(lab / "bob", bob, "bob-b", BIG_BATCH_JOB.format(name="bob-b", max_steps=40))
+    job_b = write_job(lab / "bob", bob, "bob-b", big_batch_job("bob-b", 40))
     job_c = write_job(lab / "alice", alice, "alice-c", tiny("alice-c", 30))
 
     daemon = Daemon(state, "--emulate-gpus", GPUS, "--gpu-sample-seconds", "0.5").start()

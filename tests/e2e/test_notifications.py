@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.conftest import oomguard, wait_for
-from tests.e2e.test_lab_box import BIG_BATCH_JOB
+from tests.e2e.test_lab_box import big_batch_job
 from tests.jobs_helpers import TINY_JOB
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def test_failed_and_finished_jobs_notify_and_a_dead_endpoint_disturbs_nothing(tm
     # The failing job: its full batch does not fit the GPU and it allows no rung at all.
     failing = tmp_path / "doomed.toml"
     failing.write_text(
-        BIG_BATCH_JOB.format(name="doomed", max_steps=10).replace("probe = false", "probe = false\nallow = []")
+        big_batch_job("doomed", 10).replace("probe = false", "probe = false\nallow = []")
         + f'[notify]\nurls = ["json://user:secret@127.0.0.1:{endpoint.port}/job", "json://127.0.0.1:{dead}/dead"]\n'
     )
     finishing = tmp_path / "fine.toml"
