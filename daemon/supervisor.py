@@ -28,14 +28,13 @@ from oomguard.daemon.shim import EXIT_STATUS
 from oomguard.daemon.spool import Arrival, Request, Spool
 from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
 from oomguard.daemon.users import Account, PermissionRefused, check_may_change, child_environment, make_user_directory, spawn_options, system_mode
-from oomguard.jobs import checkpoints
-from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, read_json
+from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, open_regular, read_json
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
 from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
 from oomguard.strategies.memory_model import MARGIN_RAN
-from oomguard.strategies.oom_text import read_oom_log
+from oomguard.strategies.oom_text import read_oom_tail
 from oomguard.strategies.outcome import Outcome, format_bytes
 from oomguard.strategies.plan import Plan
 
@@ -70,7 +69,8 @@ def outcome_without_report(attempt_dir: Path, returncode: int | None) -> Outcome
     else:
         fallback = Outcome.from_exit_status(returncode)
     try:
-        verdict = read_oom_log(attempt_dir / LOG, max_bytes=OUTPUT_TAIL_BYTES)
+        with open_regular(attempt_dir / LOG) as log:
+            verdict = read_oom_tail(log, max_bytes=OUTPUT_TAIL_BYTES)
     except OSError:
         return fallback
     if verdict.is_device_oom:
@@ -356,7 +356,6 @@ class Supervisor:
             # Only the job's first attempt measures: later ones have the history.
             probe=spec.ladder.probe and number == 1,
         )
-        newest = checkpoints.latest_valid(workdir / "checkpoints", warn=lambda text: self.event(job, "checkpoint", text))
         try:
             owner = self._owner(job)
             credentials = spawn_options(owner)
@@ -413,9 +412,10 @@ class Supervisor:
                 job["id"], state="running", started_at=job["started_at"] or now, next_rung=None, next_reason=None, waiting=None, wait_free_bytes=None
             )
         self._running[attempt_id] = _Running(attempt_id, job["id"], process, process.pid, started)
-        start = f"from the checkpoint at step {newest.step}" if newest else "from step 0 (no checkpoint yet)"
+        # Which checkpoint it resumes from is the runner's to find (it verifies the files; the
+        # daemon neither hashes gigabytes in its loop nor reads through a user's folder).
         where = f" on GPU {','.join(str(i) for i in gpus)}" if gpus is not None else ""
-        self.event(job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}], resuming {start}")
+        self.event(job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}]")
 
     # Ending ---------------------------------------------------------------------------------
 

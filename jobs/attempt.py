@@ -10,11 +10,13 @@ runner (writer of the rest). No torch here: the daemon imports it.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies.outcome import Phase
@@ -80,10 +82,35 @@ def write_json_atomic(path: Path, data: Any) -> None:
     temporary.replace(path)
 
 
+# Larger than any attempt file oomguard writes; a bigger one is not ours to parse.
+MAX_JSON_BYTES = 16 * 2**20
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open a file for reading the way a daemon running as root must open files in a user's
+    folder: never through a symbolic link (the user could point it anywhere), and only a
+    regular file (a FIFO would block the daemon, a device might never end). OSError otherwise."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    handle = os.fdopen(descriptor, "rb")
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        handle.close()
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return handle
+
+
 def read_json(path: Path) -> Any | None:
+    """The JSON in ``path``; None when it is missing, unreadable, not a regular file or not
+    (yet) whole JSON: callers treat all of these as "nothing reported"."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        with open_regular(path) as handle:
+            data = handle.read(MAX_JSON_BYTES + 1)
+    except OSError:
+        return None
+    if len(data) > MAX_JSON_BYTES:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
         return None
 
 

@@ -76,7 +76,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 from os import PathLike
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from oomguard.strategies.outcome import MemoryFigures
 
@@ -142,10 +142,15 @@ def read_oom_log(path: str | PathLike[str], max_bytes: int = LOG_TAIL_BYTES) -> 
     Raises OSError when the file cannot be read.
     """
     with open(path, "rb") as f:
-        f.seek(0, 2)
-        size = f.tell()
-        f.seek(max(0, size - max_bytes))
-        data = f.read()
+        return read_oom_tail(f, max_bytes)
+
+
+def read_oom_tail(f: BinaryIO, max_bytes: int = LOG_TAIL_BYTES) -> OomVerdict:
+    """``read_oom`` on the last ``max_bytes`` of an open (seekable) log file."""
+    f.seek(0, 2)
+    size = f.tell()
+    f.seek(max(0, size - max_bytes))
+    data = f.read(max_bytes)
     text = data.decode("utf-8", errors="replace")
     if size > max_bytes:
         text = text.partition("\n")[2]  # the first line is cut

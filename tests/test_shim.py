@@ -74,3 +74,21 @@ def test_a_process_is_known_by_pid_and_start_time():
         time.sleep(0.05)
     child.wait()
     assert processes.start_ticks(child.pid) is None
+
+
+def test_attempt_files_are_read_only_as_regular_files_never_through_a_link(tmp_path: Path):
+    """The daemon runs as root and reads files in users' folders: a link or a FIFO there is
+    treated as nothing reported, never followed or waited on."""
+    from oomguard.jobs.attempt import read_json
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"root": "only"}')
+    (tmp_path / "heartbeat.json").symlink_to(secret)
+    os.mkfifo(tmp_path / "outcome.json")
+    (tmp_path / "exit.json").write_text('{"returncode": 0')  # half written
+    (tmp_path / "good.json").write_text('{"returncode": 0}')
+    assert read_json(tmp_path / "heartbeat.json") is None
+    assert read_json(tmp_path / "outcome.json") is None  # returns at once, no writer needed
+    assert read_json(tmp_path / "exit.json") is None
+    assert read_json(tmp_path / "missing.json") is None
+    assert read_json(tmp_path / "good.json") == {"returncode": 0}
