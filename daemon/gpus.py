@@ -61,19 +61,29 @@ class NvmlGpus:
         if count == 0:
             raise NoGpus("no NVIDIA GPU found (NVML reports 0 devices)")
         self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        self._lost: set[int] = set()
         self.description = f"{count} NVIDIA GPU(s) (NVML)"
 
     def read(self) -> list[GpuState]:
+        """The cards that answer; one that does not (fallen off the bus, being reset) is left
+        out, and said once, until it answers again."""
         nvml = self._nvml
         states = []
         for index, handle in enumerate(self._handles):
-            info = nvml.nvmlDeviceGetMemoryInfo(handle)
+            try:
+                info = nvml.nvmlDeviceGetMemoryInfo(handle)
+                name = nvml.nvmlDeviceGetName(handle)
+            except nvml.NVMLError as error:
+                if index not in self._lost:
+                    print(f"oomguard: GPU {index} does not answer NVML ({error}); no job is placed on it until it does", flush=True)
+                    self._lost.add(index)
+                continue
+            self._lost.discard(index)
             try:
                 running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
             except nvml.NVMLError:
                 running = []
             processes = tuple(GpuProcess(p.pid, int(p.usedGpuMemory or 0)) for p in running)
-            name = nvml.nvmlDeviceGetName(handle)
             states.append(
                 GpuState(index, name.decode() if isinstance(name, bytes) else str(name), int(info.total), int(info.used), processes)
             )

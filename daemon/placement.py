@@ -69,7 +69,9 @@ def place(need: Need, gpus: list[GpuState], holders: dict[int, list[Holder]]) ->
 
 
 def _refusal(need: Need, gpu: GpuState, holders: list[Holder]) -> str | None:
-    if holders and not (need.share and need.free_bytes is not None and all(h.share for h in holders)):
+    # Sharing takes a known need on both sides: a holder that is still measuring its need
+    # must not measure with a neighbour beside it.
+    if holders and not (need.share and need.free_bytes is not None and all(h.share and h.need_bytes is not None for h in holders)):
         jobs = ", ".join(str(h.job_id) for h in holders)
         return f"is taken by job {jobs}"
     promised = sum(max(0, (h.need_bytes or 0) - h.used_bytes) for h in holders)

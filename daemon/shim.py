@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from oomguard.jobs.attempt import CONFIG, LOG, write_json_atomic
+from oomguard.jobs.attempt import CONFIG, HEARTBEAT, LOG, METRICS, OUTCOME, write_json_atomic
 
 EXIT_STATUS = "exit.json"
 
@@ -33,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     attempt_dir, command = Path(args[0]), args[2:]
     config = sys.stdin.read()
     attempt_dir.mkdir(parents=True, exist_ok=True)
+    # A workdir used before (a job submitted again) may hold an earlier attempt's files here:
+    # whatever the daemon reads next must be this attempt's.
+    for stale in (OUTCOME, HEARTBEAT, METRICS, EXIT_STATUS):
+        (attempt_dir / stale).unlink(missing_ok=True)
     if config:
         temporary = attempt_dir / f".{CONFIG}.tmp"
         temporary.write_text(config)

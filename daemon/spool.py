@@ -144,12 +144,18 @@ class Spool:
     def _scan(self, settled_only: bool) -> None:
         self._last_scan = time.monotonic()
         now = time.time()
-        for path in sorted(self.inbox.iterdir()):
-            if path.name.startswith(".") or not path.is_file():
-                continue
-            if settled_only and now - path.stat().st_mtime < SETTLE_SECONDS:
-                continue
-            self._ready.put(path.resolve())
+        inbox = self.inbox.resolve()
+        with os.scandir(inbox) as entries:
+            names = sorted(entry.name for entry in entries if not entry.name.startswith(".") and not entry.is_dir(follow_symlinks=False))
+        for name in names:
+            # Never resolved: a symbolic link is offered as itself, and refused by take().
+            path = inbox / name
+            try:
+                if settled_only and now - os.lstat(path).st_mtime < SETTLE_SECONDS:
+                    continue
+            except FileNotFoundError:
+                continue  # taken back by its owner meanwhile
+            self._ready.put(path)
 
     def pending(self) -> list[Path]:
         """Inbox files to look at now (each at most once; missing ones are dropped)."""
@@ -163,12 +169,14 @@ class Spool:
                 path = self._ready.get_nowait()
             except queue.Empty:
                 break
-            if path not in seen and path.exists():
+            if path not in seen and os.path.lexists(path):
                 seen.append(path)
         return seen
 
     def take(self, path: Path) -> Arrival | Request | Rejection:
         """Validate one inbox file; a bad one is moved out of the inbox at once."""
+        if path.parent != self.inbox.resolve():
+            raise ValueError(f"{path} is not in the inbox {self.inbox}")
         try:
             # Owner and content from one open file: it cannot be swapped in between.
             owner, raw = read_owned_file(path)

@@ -117,7 +117,11 @@ class Store:
         if readonly:
             if not path.exists():
                 raise FileNotFoundError(f"no oomguard database at {path}: is the daemon running with this --state-dir?")
-            self.db = sqlite_utils.Database(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=10))
+            # With the daemon stopped there is no -wal file, and a read-only connection cannot
+            # make one: the database file alone is then the whole truth (immutable).
+            wal = path.with_name(path.name + "-wal")
+            mode = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
+            self.db = sqlite_utils.Database(sqlite3.connect(f"file:{path}?{mode}", uri=True, timeout=10))
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite_utils.Database(path)

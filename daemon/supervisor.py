@@ -11,10 +11,13 @@ import dataclasses
 import json
 import os
 import pwd
+import re
 import signal
+import stat
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,7 +137,8 @@ class Supervisor:
         job = self.store.job(job["id"])
         spec = JobSpec.from_dict(json.loads(job["spec"]))
         attempts = self.store.attempts(job["id"])
-        heartbeat = (read_json(Path(attempts[-1]["directory"]) / HEARTBEAT) or {}) if attempts else {}
+        heartbeat = (read_json(_attempt_files(attempts[-1]) / HEARTBEAT) or {}) if attempts else {}
+        heartbeat = heartbeat if isinstance(heartbeat, dict) else {}
         outcome = json.loads(attempts[-1]["outcome"]) if attempts and attempts[-1]["outcome"] else {}
         oom = outcome.get("memory") or {}
         facts = JobFacts(
@@ -222,13 +226,33 @@ class Supervisor:
         return bool(self._running)
 
     def tick(self) -> None:
+        """Everything that is due. One bad file, job or attempt must not stop the others: each
+        is handled on its own, and an error is recorded against it (see _failed_on)."""
         self._take_spool()
         self._handle_cancellations()
         if self.gpus is not None:
-            self.gpus.tick()
+            try:
+                self.gpus.tick()
+            except Exception as error:  # noqa: BLE001 - a lost GPU must not stop the daemon
+                self._log_error("sampling the GPUs", error)
         self._reap()
         if not self.stopping:
             self._start_queued()
+
+    def _log_error(self, what: str, error: BaseException) -> None:
+        tail = "".join(traceback.format_exception(error))[-3000:]
+        print(f"oomguard: error while {what}: {type(error).__name__}: {error}\n{tail}", flush=True)
+
+    def _failed_on(self, job_id: int, what: str, error: BaseException) -> None:
+        """An error of oomguard's while handling one job: the job ends, failed, with the error
+        recorded and its people told, instead of the same error at every tick."""
+        self._log_error(f"{what} (job {job_id})", error)
+        job = self.store.job(job_id)
+        if job["state"] not in TERMINAL_STATES:
+            self._end_job(
+                job, "failed", f"oomguard failed while {what}: {type(error).__name__}: {error}",
+                next_step="nothing: the job has ended; the daemon's log has the details; submit it again, and report the error",
+            )
 
     # Spool ----------------------------------------------------------------------------------
 
@@ -236,28 +260,39 @@ class Supervisor:
         if self.spool is None:
             return
         for path in self.spool.pending():
-            existing = self.store.job_by_spool_file(path.name)
-            if existing is not None:
-                # Recorded before a crash that came before the move: just finish the move.
-                self.spool.accept(path, existing["id"])
-                continue
-            if self.store.request_by_file(path.name) is not None:
-                self.spool.consume(path)
-                continue
-            result = self.spool.take(path)
-            if isinstance(result, Arrival):
+            try:
+                self._take_file(path)
+            except Exception as error:  # noqa: BLE001 - one bad file never stops the daemon
+                self._log_error(f"reading {path.name} from the spool", error)
                 try:
-                    spawn_options(result.owner)  # a daemon not run as root runs only its own user's jobs
-                except PermissionRefused as error:
-                    print(f"rejected {path.name}: {self.spool.reject(path, str(error)).error}", flush=True)
-                    continue
-                job_id = self.add_job(result.spec, result.owner, spool_file=result.spool_file)
-                self.spool.accept(path, job_id)
-            elif isinstance(result, Request):
-                self._answer(result)
-                self.spool.consume(path)
-            else:
-                print(f"rejected {result.file}: {result.error}", flush=True)
+                    self.spool.reject(path, f"{path.name}: oomguard could not read it: {type(error).__name__}: {error}")
+                except OSError as move_error:
+                    self._log_error(f"moving {path.name} to rejected/", move_error)
+
+    def _take_file(self, path: Path) -> None:
+        assert self.spool is not None
+        existing = self.store.job_by_spool_file(path.name)
+        if existing is not None:
+            # Recorded before a crash that came before the move: just finish the move.
+            self.spool.accept(path, existing["id"])
+            return
+        if self.store.request_by_file(path.name) is not None:
+            self.spool.consume(path)
+            return
+        result = self.spool.take(path)
+        if isinstance(result, Arrival):
+            try:
+                spawn_options(result.owner)  # a daemon not run as root runs only its own user's jobs
+            except PermissionRefused as error:
+                print(f"rejected {path.name}: {self.spool.reject(path, str(error)).error}", flush=True)
+                return
+            job_id = self.add_job(result.spec, result.owner, spool_file=result.spool_file)
+            self.spool.accept(path, job_id)
+        elif isinstance(result, Request):
+            self._answer(result)
+            self.spool.consume(path)
+        else:
+            print(f"rejected {result.file}: {result.error}", flush=True)
 
     def _answer(self, request: Request) -> None:
         """Apply a user's request about a job if they may; the answer goes to the store, where
@@ -297,20 +332,36 @@ class Supervisor:
                 return
             if job["cancel_requested"]:
                 continue
-            placed: tuple[int, ...] | None = None
-            if gpus is not None:
-                spec = JobSpec.from_dict(json.loads(job["spec"]))
-                where = place(self._need(job, spec), gpus, self._holders(gpus))
-                if not isinstance(where, Placed):
-                    # Lower-priority jobs may still fit elsewhere: look at them too.
-                    if job["waiting"] != where.reason:
-                        self.store.update_job(job["id"], waiting=where.reason)
-                        self.event(job, "waiting", where.reason)
-                    continue
-                placed = where.gpus
-            self._start_attempt(job, placed)
-            if gpus is not None:
+            try:
+                started = self._try_to_start(job, gpus)
+            except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
+                self._failed_on(job["id"], "starting an attempt", error)
+                continue
+            if started and gpus is not None:
                 gpus = self.gpus.read()  # type: ignore[union-attr]
+
+    def _try_to_start(self, job: dict[str, Any], gpus: list[Any] | None) -> bool:
+        """Start the job's next attempt where it fits; False (and why, in the job) when it waits."""
+        placed: tuple[int, ...] | None = None
+        if gpus is not None:
+            spec = JobSpec.from_dict(json.loads(job["spec"]))
+            if spec.resources.gpus > len(gpus):
+                self._end_job(
+                    job, "failed", f"needs {spec.resources.gpus} GPUs; this box has {len(gpus)}",
+                    next_step="nothing: the job has ended; lower resources.gpus and submit it again",
+                )
+                return False
+            where = place(self._need(job, spec), gpus, self._holders(gpus))
+            if not isinstance(where, Placed):
+                # Lower-priority jobs may still fit elsewhere: the caller looks at them too. The
+                # reason is an event when it changes in words, not with every byte of free memory.
+                if job["waiting"] is None or _without_numbers(job["waiting"]) != _without_numbers(where.reason):
+                    self.store.update_job(job["id"], waiting=where.reason)
+                    self.event(job, "waiting", where.reason)
+                return False
+            placed = where.gpus
+        self._start_attempt(job, placed)
+        return True
 
     def _need(self, job: dict[str, Any], spec: JobSpec) -> Need:
         """What the job needs free per GPU: after contention, what it waits for; else the peak
@@ -364,9 +415,28 @@ class Supervisor:
             return
         env = ladder.process_environment(plan, child_environment(owner, os.environ))
         if gpus is not None:
+            # NVML numbers the cards in PCI bus order; CUDA must count them the same way.
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
             if self.gpus is not None and self.gpus.source.emulated_root is not None:
                 env[EMULATED_GPUS_ENV] = str(self.gpus.source.emulated_root)
+        # The attempt is in the store before its process exists: a daemon that dies in between
+        # finds the row and looks for the shim (_adopt), so no attempt is started twice.
+        now = time.time()
+        with self.store.atomic():
+            attempt_id = self.store.add_attempt(
+                job_id=job["id"],
+                number=number,
+                plan=json.dumps(plan.to_dict()),
+                rung=job["next_rung"],
+                reason=job["next_reason"],
+                directory=str(attempt_dir),
+                gpus=",".join(str(i) for i in gpus) if gpus is not None else None,
+                started_at=now,
+            )
+            self.store.update_job(
+                job["id"], state="running", started_at=job["started_at"] or now, next_rung=None, next_reason=None, waiting=None, wait_free_bytes=None
+            )
         runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
         # The shim (as the owner, in a session of its own) writes attempt.json from its
         # standard input, runs the runner and records its exit status for any daemon to read.
@@ -382,35 +452,22 @@ class Supervisor:
                 **credentials,
             )
         except OSError as error:
-            self._end_job(
-                job, "failed", f"cannot start its attempt in {workdir}: {error.strerror or error}",
-                next_step=f"nothing: the job has ended; check that {workdir} exists and belongs to {owner.name}, and submit it again",
-            )
+            outcome = Outcome(kind="crashed", message=f"cannot start the attempt in {workdir}: {error.strerror or error}")
+            with self.store.atomic():
+                self.store.update_attempt(attempt_id, ended_at=time.time(), outcome_kind=outcome.kind, outcome=json.dumps(outcome.to_dict()))
+                self._end_job(
+                    job, "failed", outcome.message,
+                    next_step=f"nothing: the job has ended; check that {workdir} exists and belongs to {owner.name}, and submit it again",
+                )
             return
         started = processes.start_ticks(process.pid)
+        self.store.update_attempt(attempt_id, pid=process.pid, pid_started=started)
         assert process.stdin is not None
         try:
             process.stdin.write(json.dumps(config.to_dict(), indent=2).encode())
             process.stdin.close()
         except BrokenPipeError:
             pass  # the shim died at once; reaping it records how
-        now = time.time()
-        with self.store.atomic():
-            attempt_id = self.store.add_attempt(
-                job_id=job["id"],
-                number=number,
-                plan=json.dumps(plan.to_dict()),
-                rung=job["next_rung"],
-                reason=job["next_reason"],
-                directory=str(attempt_dir),
-                pid=process.pid,
-                pid_started=started,
-                gpus=",".join(str(i) for i in gpus) if gpus is not None else None,
-                started_at=now,
-            )
-            self.store.update_job(
-                job["id"], state="running", started_at=job["started_at"] or now, next_rung=None, next_reason=None, waiting=None, wait_free_bytes=None
-            )
         self._running[attempt_id] = _Running(attempt_id, job["id"], process, process.pid, started)
         # Which checkpoint it resumes from is the runner's to find (it verifies the files; the
         # daemon neither hashes gigabytes in its loop nor reads through a user's folder).
@@ -420,33 +477,62 @@ class Supervisor:
     # Ending ---------------------------------------------------------------------------------
 
     def _adopt(self) -> None:
-        """Take over the attempts an earlier daemon left running; those that ended meanwhile
-        are collected at the next tick (their shims left exit.json)."""
+        """Take over what an earlier daemon left: attempts still running (by pid and start
+        time), attempts that ended meanwhile (collected at the next tick from exit.json), an
+        attempt recorded just before its shim was started (found by its command line), and a
+        job left "running" without an attempt (queued again)."""
         for attempt in self.store.running_attempts():
-            self._running[attempt["id"]] = _Running(attempt["id"], attempt["job_id"], None, attempt["pid"], attempt["pid_started"])
+            pid, started = attempt["pid"], attempt["pid_started"]
+            if pid is None:
+                found = _find_shim(attempt["directory"])
+                if found is not None:
+                    pid, started = found
+                    self.store.update_attempt(attempt["id"], pid=pid, pid_started=started)
+            self._running[attempt["id"]] = _Running(attempt["id"], attempt["job_id"], None, pid, started)
+        open_jobs = {attempt["job_id"] for attempt in self.store.running_attempts()}
+        for job in self.store.db.query("select * from jobs where state = 'running'"):
+            if job["id"] not in open_jobs:
+                self.store.update_job(job["id"], state="queued")
+                self.event(job, "requeued", "found running without an attempt after a restart; it continues from its checkpoint")
 
     def _reap(self) -> None:
         for attempt_id, running in list(self._running.items()):
-            attempt = self.store.db["attempts"].get(attempt_id)
-            if running.process is not None:
-                alive = running.process.poll() is None
-            else:
-                alive = processes.is_running(running.pid, running.started)
-            if alive:
-                self._enforce_stop_deadline(attempt)
-                self._report_live_recoveries(attempt)
-                self._check_stalled(attempt)
-                continue
-            del self._running[attempt_id]
-            status = read_json(Path(attempt["directory"]) / EXIT_STATUS)
-            # No exit.json: the shim itself was killed (SIGKILL to the group, a reboot).
-            self._finish_attempt(attempt, status.get("returncode") if status else None)
+            try:
+                self._reap_one(attempt_id, running)
+            except Exception as error:  # noqa: BLE001 - one attempt's problem must not stop the others
+                self._running.pop(attempt_id, None)
+                self._log_error(f"collecting attempt {attempt_id}", error)
+                attempt = self.store.db["attempts"].get(attempt_id)
+                if attempt["ended_at"] is None:
+                    outcome = Outcome(kind="crashed", message=f"oomguard could not collect it: {type(error).__name__}: {error}")
+                    self.store.update_attempt(attempt_id, ended_at=time.time(), outcome_kind=outcome.kind, outcome=json.dumps(outcome.to_dict()))
+                self._failed_on(running.job_id, f"collecting attempt {attempt['number']}", error)
+
+    def _reap_one(self, attempt_id: int, running: _Running) -> None:
+        attempt = self.store.db["attempts"].get(attempt_id)
+        if running.process is not None:
+            alive = running.process.poll() is None
+        else:
+            alive = running.pid is not None and processes.is_running(running.pid, running.started)
+        if alive:
+            self._enforce_stop_deadline(attempt)
+            self._report_live_recoveries(attempt)
+            self._check_stalled(attempt)
+            return
+        del self._running[attempt_id]
+        if running.pid is not None:
+            # The shim is gone; whatever of its group is left (a runner whose shim was killed)
+            # must not go on writing into the workdir beside the next attempt.
+            _kill_group(running.pid)
+        status = read_json(_attempt_files(attempt) / EXIT_STATUS)
+        returncode = status.get("returncode") if isinstance(status, dict) and isinstance(status.get("returncode"), int) else None
+        self._finish_attempt(attempt, returncode, shim_recorded=status is not None or running.process is not None)
 
     def _check_stalled(self, attempt: dict[str, Any]) -> None:
-        heartbeat = Path(attempt["directory"]) / HEARTBEAT
+        heartbeat = _attempt_files(attempt) / HEARTBEAT
         try:
-            last = heartbeat.stat().st_mtime
-        except FileNotFoundError:
+            last = max(os.lstat(heartbeat).st_mtime, attempt["started_at"])
+        except OSError:
             last = attempt["started_at"]
         silent = time.time() - last
         if silent < self.stall_seconds:
@@ -468,18 +554,33 @@ class Supervisor:
             self._signal(attempt, signal.SIGKILL)
 
     def _signal(self, attempt: dict[str, Any], signum: int) -> None:
+        pid, started = attempt["pid"], attempt["pid_started"]
+        if pid is None or not processes.is_running(pid, started):
+            return  # not started yet, or gone (its pid may belong to someone else by now)
         try:
-            os.killpg(attempt["pid"], signum)
+            os.killpg(pid, signum)
         except ProcessLookupError:
             pass
 
-    def _finish_attempt(self, attempt: dict[str, Any], returncode: int | None) -> None:
+    def _finish_attempt(self, attempt: dict[str, Any], returncode: int | None, shim_recorded: bool = True) -> None:
         job = self.store.job(attempt["job_id"])
-        data = read_json(Path(attempt["directory"]) / OUTCOME)
-        if data is not None:
-            outcome = Outcome.from_dict(data)
-        else:
-            outcome = outcome_without_report(Path(attempt["directory"]), returncode)
+        data = read_json(_attempt_files(attempt) / OUTCOME)
+        outcome: Outcome | None = None
+        if isinstance(data, dict):
+            try:
+                outcome = Outcome.from_dict(data)
+            except (TypeError, ValueError, KeyError, AttributeError) as error:
+                outcome = Outcome(kind="crashed", message=f"its outcome.json cannot be read ({type(error).__name__}: {error})")
+        if outcome is None and not shim_recorded and (attempt["pid"] is None or attempt["term_sent_at"] or _booted_after(attempt["started_at"])):
+            # Never started (the daemon died first), killed after it was asked to stop, or the
+            # machine restarted under it: not the job's fault, and no crash retry is used up.
+            outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
+        if outcome is None:
+            outcome = outcome_without_report(_attempt_files(attempt), returncode)
+        if outcome.kind == "cancelled":
+            outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
+        # How the attempt ended and what the job does next are one change: a daemon that dies
+        # in between finds the attempt still open and collects it again.
         with self.store.atomic():
             self.store.update_attempt(
                 attempt["id"],
@@ -489,13 +590,13 @@ class Supervisor:
                 exit_code=outcome.exit_code if outcome.exit_code is not None else returncode,
                 resumed_from=outcome.resumed_from,
             )
-        resumed = f"resumed from step {outcome.resumed_from}" if outcome.resumed_from is not None else "started at step 0"
-        summary = f"attempt {attempt['number']} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
-        if outcome.kind == "oom" and outcome.phase:
-            summary += f" in {outcome.phase}"
-        self._report_recoveries(attempt, list(outcome.recoveries))
-        self.event(job, "attempt-ended", summary)
-        self._next_step(job, outcome)
+            resumed = f"resumed from step {outcome.resumed_from}" if outcome.resumed_from is not None else "started at step 0"
+            summary = f"attempt {attempt['number']} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
+            if outcome.kind == "oom" and outcome.phase:
+                summary += f" in {outcome.phase}"
+            self._report_recoveries(attempt, list(outcome.recoveries))
+            self.event(job, "attempt-ended", summary)
+            self._next_step(job, outcome)
 
     def _next_step(self, job: dict[str, Any], outcome: Outcome) -> None:
         if outcome.kind == "finished":
@@ -541,8 +642,10 @@ class Supervisor:
             )
 
     def _report_live_recoveries(self, attempt: dict[str, Any]) -> None:
-        heartbeat = read_json(Path(attempt["directory"]) / HEARTBEAT) or {}
-        self._report_recoveries(attempt, heartbeat.get("recoveries") or [])
+        heartbeat = read_json(_attempt_files(attempt) / HEARTBEAT)
+        recoveries = heartbeat.get("recoveries") if isinstance(heartbeat, dict) else None
+        if isinstance(recoveries, list) and all(isinstance(change, dict) for change in recoveries):
+            self._report_recoveries(attempt, recoveries)
 
     def _report_recoveries(self, attempt: dict[str, Any], changes: list[dict[str, Any]]) -> None:
         """Rungs the runner took itself (probe, in-process) are events like the daemon's, each
@@ -599,6 +702,61 @@ class Supervisor:
 
     def job_done(self, job_id: int) -> bool:
         return self.store.job(job_id)["state"] in TERMINAL_STATES
+
+
+# Where a daemon finds nothing: what it reads of an attempt whose folder is not its own.
+_NOWHERE = Path("/nonexistent/oomguard-attempt-folder-was-a-link")
+
+
+def _attempt_files(attempt: dict[str, Any]) -> Path:
+    """The attempt's folder, to read what its runner wrote, unless the folder, its attempts/
+    or the workdir was replaced by a symbolic link: its owner could point them at another
+    user's attempt, and the daemon (root) would read that into this job's record. Then the
+    attempt reads as having reported nothing."""
+    directory = Path(attempt["directory"])
+    for folder in (directory.parent.parent, directory.parent, directory):
+        try:
+            if stat.S_ISLNK(os.lstat(folder).st_mode):
+                return _NOWHERE
+        except OSError:
+            return _NOWHERE
+    return directory
+
+
+def _without_numbers(text: str) -> str:
+    return re.sub(r"[0-9.]+", "#", text)
+
+
+def _kill_group(group: int) -> None:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left of it (a process group id is not reused while it has members)
+
+
+def _booted_after(moment: float) -> bool:
+    """Did the machine start after ``moment`` (so whatever ran then was stopped by a reboot)?"""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("btime "):
+            return int(line.split()[1]) > moment
+    return False
+
+
+def _find_shim(attempt_dir: str) -> tuple[int, int | None] | None:
+    """The shim of ``attempt_dir`` among the running processes, by its command line."""
+    wanted = [b"oomguard.daemon.shim", attempt_dir.encode()]
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            arguments = (pid_dir / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if len(arguments) > 3 and arguments[1:3] == [b"-m", wanted[0]] and arguments[3] == wanted[1]:
+            started = processes.start_ticks(int(pid_dir.name))
+            if started is not None:
+                return int(pid_dir.name), started
+    return None
 
 
 def _in_group(pid: int, group: int) -> bool:

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from oomguard.jobs.attempt import read_json
 from oomguard.jobs.sizes import format_size, parse_size
 
 EMULATED_GPUS_ENV = "OOMGUARD_EMULATED_GPUS"
@@ -104,16 +105,19 @@ class EmulatedGpuFolder:
     def processes(self, index: int, *, prune: bool = False) -> list[EmulatedProcess]:
         found: list[EmulatedProcess] = []
         for path in sorted((self.root / str(index)).glob("*.json")):
-            try:
-                data = json.loads(path.read_text())
-                pid = int(data["pid"])
-            except (OSError, ValueError, KeyError, TypeError):
+            # Anyone may write here (the folder is 1777): read regular files only, and only
+            # whole numbers that make sense.
+            data = read_json(path)
+            if not isinstance(data, dict):
                 continue  # being replaced right now, or not ours
+            pid, used = data.get("pid"), data.get("bytes", 0)
+            if not (isinstance(pid, int) and pid > 0 and isinstance(used, int) and used >= 0):
+                continue
             if not _alive(pid):
                 if prune:
                     path.unlink(missing_ok=True)
                 continue
-            found.append(EmulatedProcess(pid, int(data.get("bytes", 0)), str(data.get("what", ""))))
+            found.append(EmulatedProcess(pid, used, str(data.get("what", ""))))
         return found
 
     def used_by_others(self, index: int, pid: int) -> int:

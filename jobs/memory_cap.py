@@ -52,8 +52,11 @@ class DeviceMemory:
         # An emulated GPU shared with other processes (only without CUDA: a real card is real).
         self.gpu = gpu if device.type != "cuda" else None
         # The least the other processes on the GPU held at a step start in this process: the
-        # baseline a neighbour's growth is measured from.
+        # baseline a neighbour's growth is measured from. Taken from the third step start on:
+        # on a real GPU this process's own memory outside the caching allocator (the CUDA
+        # context, library workspaces) appears during its first steps and would read as growth.
         self.others_before: int | None = None
+        self._step_starts = 0
         self._published: int | None = None
         self._published_at = 0.0
         if (schedule is not None or self.gpu is not None) and device.type != "cuda":
@@ -78,7 +81,8 @@ class DeviceMemory:
 
     def begin_step(self, step: int) -> None:
         """Apply the capacity for ``step`` (the schedule's, and the emulated GPU's room now)."""
-        others = self.others_bytes()
+        self._step_starts += 1
+        others = self.others_bytes() if self._step_starts > 2 else None
         if others is not None:
             self.others_before = others if self.others_before is None else min(self.others_before, others)
         if self.emulated is not None:

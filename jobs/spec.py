@@ -975,15 +975,17 @@ def _parse_resources(s: _Section) -> ResourcesSpec:
     return ResourcesSpec(gpus=gpus, share=share, memory=memory)
 
 
-def _string_list(s: _Section, k: str) -> tuple[str, ...]:
+def _string_list(s: _Section, k: str, secret: bool = False) -> tuple[str, ...]:
+    """A list of non-empty strings; a ``secret`` one (URLs with tokens) is never echoed."""
     value = s.get(k, [])
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise s.fail(k, f"expected a list of non-empty strings, found {_describe(value)}")
+        found = f"a {type(value).__name__}" if secret else _describe(value)
+        raise s.fail(k, f"expected a list of non-empty strings, found {found}")
     return tuple(value)
 
 
 def _parse_notify(s: _Section) -> NotifySpec:
-    urls = _string_list(s, "urls")
+    urls = _string_list(s, "urls", secret=True)
     for url in urls:
         scheme, separator, _ = url.partition("://")
         if not separator or not scheme.replace("+", "").isalnum():

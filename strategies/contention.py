@@ -23,6 +23,7 @@ class Contention:
     others_before: int
     others_at_oom: int
     needed: int  # what this job held plus what it asked for when it ran out
+    room_before: int | None = None  # what this job could have had before the others grew
 
     @property
     def grown_by(self) -> int:
@@ -37,21 +38,22 @@ class Contention:
 
 
 def find_contention(memory: MemoryFigures | None, steady_peak: int | None) -> Contention | None:
-    """Contention, when the figures show it: others grew noticeably, and what the job needed at
-    the OOM either fitted in the room it had before they grew, or was within its usual peak.
+    """Contention, when the figures show it: others grew noticeably, their growth explains the
+    OOM (what the job needed fitted in the room it had before they grew), and the job itself
+    did not grow (it needed no more than its usual peak, when that is known).
     ``steady_peak`` is the plan's peak over its steady steps before the OOM (None: unknown)."""
-    if memory is None or memory.others_before is None or memory.others_at_oom is None:
+    if memory is None or memory.others_before is None or memory.others_at_oom is None or memory.total is None:
         return None
     grown = memory.others_at_oom - memory.others_before
     capacity = memory.total
-    threshold = max(MIN_GROWTH_BYTES, int(MIN_GROWTH_SHARE * (capacity or 0)))
-    if grown < threshold:
+    if grown < max(MIN_GROWTH_BYTES, int(MIN_GROWTH_SHARE * capacity)):
         return None
     needed = (memory.allocated or 0) + (memory.requested or 0)
     # `total` is the room this process had at the OOM; before the neighbour grew it had that
     # much more.
-    fitted_before = capacity is not None and needed <= capacity + grown
-    within_usual = steady_peak is not None and needed <= steady_peak * (1 + USUAL_MARGIN)
-    if not (fitted_before or within_usual):
+    room_before = capacity + grown
+    if needed > room_before:
         return None
-    return Contention(others_before=memory.others_before, others_at_oom=memory.others_at_oom, needed=needed)
+    if steady_peak is not None and needed > steady_peak * (1 + USUAL_MARGIN):
+        return None
+    return Contention(others_before=memory.others_before, others_at_oom=memory.others_at_oom, needed=needed, room_before=room_before)

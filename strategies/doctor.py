@@ -169,8 +169,12 @@ def _after_contention(contention: Contention, outcome: Outcome, plan: Plan, hist
         )
     peak = steady_peak(outcome, plan)
     needed = max(peak or 0, contention.needed)
-    # The margin a plan that ran gets (memory_model.MARGIN_RAN), so the retry is not a coin toss.
+    # The margin a plan that ran gets (memory_model.MARGIN_RAN), so the retry is not a coin
+    # toss; but never more than the room the job had before the neighbour grew, which is there
+    # again when the neighbour goes (a job that ran at its edge must not wait forever).
     free_bytes = int(needed * 1.03)
+    if contention.room_before is not None:
+        free_bytes = min(free_bytes, contention.room_before)
     return Wait(
         reason=f"{describe_oom(outcome)}; {contention.describe()} -> wait until {format_bytes(free_bytes)} are free, "
         f"then run the same plan [{plan.short()}] again (no rung for a neighbour's spike)",

@@ -588,3 +588,11 @@ def test_contention_is_bounded():
     history = [PastAttempt(START, spike)] * 21
     decision = decide(spike, START, history, Policy(max_waits=20))
     assert isinstance(decision, GiveUp) and "21 times in a row" in decision.reason
+
+
+def test_a_job_at_the_edge_waits_for_the_room_it_had_not_more():
+    # Its steady peak is 63 MiB of a 64 MiB card: 3 % more than that is more than the card; it
+    # waits for the 64 MiB it had before the neighbour came.
+    outcome = neighbour_oom(before=0, at_oom=40 * MiB, allocated=20 * MiB, requested=4 * MiB, capacity=24 * MiB, peak=63 * MiB)
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
+    assert isinstance(decision, Wait) and decision.free_bytes == 64 * MiB

@@ -71,3 +71,8 @@ def test_several_gpus(wanted, expected):
 def test_more_gpus_than_the_box_has():
     where = place(Need(3, False, None), [gpu(0), gpu(1)], {})
     assert isinstance(where, Waiting) and where.reason == "needs 3 GPUs; this box has 2 (lower resources.gpus)"
+
+
+def test_no_one_joins_a_sharing_job_that_is_still_measuring():
+    where = place(Need(1, True, 4 * MiB), [gpu(0, used=2 * MiB)], {0: [Holder(1, share=True, need_bytes=None, used_bytes=2 * MiB)]})
+    assert isinstance(where, Waiting) and "taken by job 1" in where.reason

@@ -912,3 +912,33 @@ def test_spec_does_not_import_torch_or_diffusers():
 def test_module_exports():
     for name in spec_module.__all__:
         assert hasattr(spec_module, name), name
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"resources.gpus": 0}, "resources.gpus: expected an integer in 1..64, found 0"),
+        ({"resources.memory": "lots"}, "resources.memory: not a memory size: 'lots'"),
+        ({"resources.share": "yes"}, "resources.share: expected true or false"),
+        ({"notify.events": ["done"]}, "notify.events: unknown notification event 'done' (expected one of: failed, finished, escalated, stalled)"),
+        ({"notify.tags": "lab"}, "notify.tags: expected a list of non-empty strings, found a string (\"lab\")"),
+    ],
+)
+def test_bad_resources_and_notify(changes: dict[str, Any], expected: str) -> None:
+    assert expected in str(error_of(with_changes(changes)))
+
+
+@pytest.mark.parametrize("urls", ["tgram://123:TOKEN/9", ["json://u:TOKEN@host/x", 3], ["no scheme TOKEN"]])
+def test_a_bad_notification_url_is_never_echoed(urls: Any) -> None:
+    message = str(error_of(with_changes({"notify.urls": urls})))
+    assert message.startswith("job.toml: notify.urls: ") and "TOKEN" not in message
+
+
+def test_resources_and_notify_round_trip() -> None:
+    spec = parse_job_text(
+        to_toml(with_changes({"resources.gpus": 2, "resources.share": True, "resources.memory": "20GiB", "notify.urls": ["json://h/x"], "notify.events": ["failed"]})),
+        "job.toml", base_dir=Path.cwd(),
+    )
+    assert (spec.resources.gpus, spec.resources.share, spec.resources.memory) == (2, True, 20 * 2**30)
+    assert spec.notify.urls == ("json://h/x",) and spec.notify.events == ("failed",)
+    assert JobSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
