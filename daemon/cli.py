@@ -595,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     daemon.add_argument("--notify-throttle", type=float, default=600.0, metavar="SECONDS", help="the same message for the same job at most once per SECONDS (default 600)")
     daemon.add_argument(
-        "--stall-after", type=float, default=1800.0, metavar="SECONDS", help="report an attempt as stalled after SECONDS without a heartbeat (default 1800)"
+        "--stall-after", type=float, default=1800.0, metavar="SECONDS", help="report an attempt as stalled after SECONDS without a heartbeat, and a job that waited that long for a GPU (default 1800)"
     )
     daemon.add_argument("--gpu-sample-seconds", type=float, default=5.0, help=argparse.SUPPRESS)
     daemon.add_argument(

@@ -96,6 +96,7 @@ def _add_lab_box(db: sqlite_utils.Database) -> None:
     db["jobs"].add_column("owner_uid", int)
     db["jobs"].add_column("waiting", str)  # why a queued job is not running now (shown in status)
     db["jobs"].add_column("wait_free_bytes", int)  # contention: free memory to wait for per GPU
+    db["jobs"].add_column("waiting_since", float)  # when the current wait began
     db["attempts"].add_column("gpus", str)  # "0,1": the GPUs it was placed on
     db["attempts"].add_column("pid_started", int)  # the shim's start time (processes.start_ticks)
     db["attempts"].add_column("stalled_at", float)
@@ -236,6 +237,9 @@ class Store:
 
     def add_event(self, job_id: int, kind: str, message: str) -> None:
         self.db["events"].insert({"job_id": job_id, "at": time.time(), "kind": kind, "message": message})
+
+    def has_event_since(self, job_id: int, kind: str, since: float) -> bool:
+        return self.db.execute("select 1 from events where job_id = ? and kind = ? and at >= ? limit 1", [job_id, kind, since]).fetchone() is not None
 
     def events(self, job_id: int | None = None, after_id: int = 0) -> list[dict[str, Any]]:
         if job_id is None:

@@ -356,12 +356,25 @@ class Supervisor:
                 # Lower-priority jobs may still fit elsewhere: the caller looks at them too. The
                 # reason is an event when it changes in words, not with every byte of free memory.
                 if job["waiting"] is None or _without_numbers(job["waiting"]) != _without_numbers(where.reason):
-                    self.store.update_job(job["id"], waiting=where.reason)
+                    self.store.update_job(job["id"], waiting=where.reason, waiting_since=job["waiting_since"] or time.time())
                     self.event(job, "waiting", where.reason)
+                self._check_waiting_too_long(job, where.reason)
                 return False
             placed = where.gpus
         self._start_attempt(job, placed)
         return True
+
+    def _check_waiting_too_long(self, job: dict[str, Any], reason: str) -> None:
+        """A job that has waited for a GPU as long as a silent attempt would be stalled is
+        reported the same way, once per wait: someone may have to free a GPU."""
+        since = job["waiting_since"]
+        if since is None or time.time() - since < self.stall_seconds or self.store.has_event_since(job["id"], "stalled", since):
+            return
+        waited = time.time() - since
+        self.event(
+            job, "stalled", f"queued and waiting for {_how_long(waited)}: {reason}",
+            next_step="oomguard keeps waiting and starts it as soon as a GPU has room; free one (`oomguard gpus` shows what is on them), or cancel it",
+        )
 
     def _need(self, job: dict[str, Any], spec: JobSpec) -> Need:
         """What the job needs free per GPU: after contention, what it waits for; else the peak
@@ -435,7 +448,8 @@ class Supervisor:
                 started_at=now,
             )
             self.store.update_job(
-                job["id"], state="running", started_at=job["started_at"] or now, next_rung=None, next_reason=None, waiting=None, wait_free_bytes=None
+                job["id"], state="running", started_at=job["started_at"] or now, next_rung=None, next_reason=None, waiting=None, wait_free_bytes=None,
+                waiting_since=None,
             )
         runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
         # The shim (as the owner, in a session of its own) writes attempt.json from its
@@ -544,7 +558,7 @@ class Supervisor:
         self.store.update_attempt(attempt["id"], stalled_at=time.time())
         job = self.store.job(attempt["job_id"])
         self.event(
-            job, "stalled", f"attempt {attempt['number']} has written no heartbeat for " + (f"{silent:.0f} s" if silent < 120 else f"{silent / 60:.0f} minutes"),
+            job, "stalled", f"attempt {attempt['number']} has written no heartbeat for {_how_long(silent)}",
             next_step=f"oomguard keeps it running; look at `oomguard logs {job['id']}`, and `oomguard cancel {job['id']}` if it hangs",
         )
 
@@ -664,7 +678,7 @@ class Supervisor:
         attempt["recoveries_reported"] = len(changes)
 
     def _end_job(self, job: dict[str, Any], state: str, result: str, report: str | None = None, next_step: str | None = None) -> None:
-        self.store.update_job(job["id"], state=state, ended_at=time.time(), result=result, report=report, waiting=None)
+        self.store.update_job(job["id"], state=state, ended_at=time.time(), result=result, report=report, waiting=None, waiting_since=None)
         self.event(job, state, result + (f"\n{report}" if report else ""), next_step=next_step)
 
     # Cancelling and stopping ----------------------------------------------------------------
@@ -721,6 +735,10 @@ def _attempt_files(attempt: dict[str, Any]) -> Path:
         except OSError:
             return _NOWHERE
     return directory
+
+
+def _how_long(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} minutes"
 
 
 def _without_numbers(text: str) -> str:

@@ -113,3 +113,27 @@ def test_bad_usage_files_on_an_emulated_gpu_are_ignored(tmp_path: Path) -> None:
     (tmp_path / "0" / "3.json").write_text("[]")
     (tmp_path / "0" / "4.json").symlink_to("/etc/hostname")
     assert folder.processes(0) == []
+
+
+def test_a_job_that_waits_too_long_for_a_gpu_is_reported_once(tmp_path: Path) -> None:
+    from oomguard.daemon.gpus import EmulatedGpus
+    from oomguard.daemon.monitor import GpuMonitor
+
+    state, store = state_and_store(tmp_path)
+    source = EmulatedGpus(state.emulated_gpus, "64MiB")
+    neighbour = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        source.folder.publish(0, neighbour.pid, 60 * 2**20, "neighbour")
+        supervisor = Supervisor(state, store, gpus=GpuMonitor(source, store), stall_seconds=0.0)
+        job_id = supervisor.add_job(tiny_job(), Account.current())
+        for _ in range(3):
+            supervisor.tick()
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+    job = store.job(job_id)
+    assert job["state"] == "queued" and "the job's need is not known yet" in job["waiting"]
+    kinds = [e["kind"] for e in store.events(job_id)]
+    assert kinds.count("waiting") == 1 and kinds.count("stalled") == 1
+    (stalled,) = [e for e in store.events(job_id) if e["kind"] == "stalled"]
+    assert stalled["message"].startswith("queued and waiting for 0 s: needs 1 GPU: GPU 0 has 4.0 MiB free of 64.0 MiB")
