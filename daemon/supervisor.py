@@ -32,6 +32,7 @@ from oomguard.daemon.spool import Arrival, Request, Spool
 from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
 from oomguard.daemon.users import Account, PermissionRefused, check_may_change, child_environment, make_user_directory, spawn_options, system_mode
 from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, open_regular, read_json
+from oomguard.jobs.command import render
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
@@ -417,8 +418,9 @@ class Supervisor:
             number=number,
             workdir=workdir,
             emulate_device_memory=job["emulate_device_memory"],
-            # Only the job's first attempt measures: later ones have the history.
-            probe=spec.ladder.probe and number == 1,
+            # Only the job's first attempt measures: later ones have the history. A command
+            # job's script does not measure for us.
+            probe=spec.ladder.probe and number == 1 and spec.command is None,
         )
         try:
             owner = self._owner(job)
@@ -452,6 +454,13 @@ class Supervisor:
                 waiting_since=None,
             )
         runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
+        cwd = workdir
+        if spec.command is not None:
+            # The user's own script, with the plan's knobs in its arguments; it reports nothing
+            # itself: the shim's exit.json and the log's last error say how it ended.
+            runner, extra_env = render(spec.command, plan, workdir, number)
+            env.update(extra_env)
+            cwd = Path(spec.command.cwd) if spec.command.cwd else workdir
         # The shim (as the owner, in a session of its own) writes attempt.json from its
         # standard input, runs the runner and records its exit status for any daemon to read.
         try:
@@ -461,7 +470,7 @@ class Supervisor:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 env=env,
-                cwd=workdir,
+                cwd=cwd,
                 start_new_session=True,
                 **credentials,
             )
@@ -614,6 +623,9 @@ class Supervisor:
 
     def _next_step(self, job: dict[str, Any], outcome: Outcome) -> None:
         if outcome.kind == "finished":
+            if json.loads(job["spec"]).get("command"):
+                self._end_job(job, "finished", "the command exited with code 0", next_step="nothing: the script has written its results")
+                return
             final = Path(job["workdir"]) / "final"
             self._end_job(job, "finished", f"finished {outcome.step} steps; final model in {final}", next_step=f"nothing: the final model is in {final}")
             return

@@ -33,6 +33,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from oomguard.jobs.trainers import TRAINER_NAMES
 from oomguard.strategies.doctor import Policy
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
+from oomguard.jobs.command import WHEN_KNOBS, CommandError, CommandSpec, check, exposed_rungs
 from oomguard.jobs.sizes import parse_size
 from oomguard.strategies.plan import MixedPrecision, Plan
 
@@ -116,8 +118,10 @@ MODEL_KEYS: tuple[str, ...] = (
 _MODEL_DEFAULTS: dict[str, Any] = {"in_channels": 3, "out_channels": 3}
 _MODEL_REQUIRED = ("block_out_channels", "down_block_types", "up_block_types")
 
-_TOP_KEYS = ("name", "trainer", "priority", "workdir", "data", "model", "train", "ladder", "resources", "notify")
-_TOP_TABLES = ("data", "model", "train", "ladder", "resources", "notify")
+_TOP_KEYS = ("name", "trainer", "priority", "workdir", "data", "model", "train", "ladder", "resources", "notify", "command")
+_TOP_TABLES = ("data", "model", "train", "ladder", "resources", "notify", "command")
+# The trainer of jobs that run a command of their own (jobs/command.py).
+COMMAND_TRAINER = "command"
 _DATA_KEYS = ("source", "resolution", "random_flip")
 _TRAIN_KEYS = (
     "batch_size",
@@ -135,6 +139,7 @@ _TRAIN_KEYS = (
 )
 _LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe")
 _RESOURCES_KEYS = ("gpus", "share", "memory")
+_COMMAND_KEYS = ("argv", "cwd", "env", "when")
 _NOTIFY_KEYS = ("urls", "tags", "events")
 # What a job can be notified of (daemon/notifier.py); `escalated` is opt-in.
 NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "escalated", "stalled")
@@ -147,6 +152,9 @@ _SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
     "ladder": _LADDER_KEYS,
     "resources": _RESOURCES_KEYS,
     "notify": _NOTIFY_KEYS,
+    "command": _COMMAND_KEYS,
+    "command.when": tuple(WHEN_KNOBS),
+    # [command.env] takes any variable name: checked one by one.
 }
 # Keys people reach for that have a better home.
 _SPECIAL_HINTS: dict[str, str] = {
@@ -380,12 +388,14 @@ class JobSpec:
 
     name: str
     trainer: str
-    data: DataSpec
-    model: ModelSpec
+    # None for a command job: its script reads its own data and builds its own model.
+    data: DataSpec | None
+    model: ModelSpec | None
     train: TrainSpec
     ladder: LadderSpec = field(default_factory=LadderSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     notify: NotifySpec = field(default_factory=NotifySpec)
+    command: CommandSpec | None = None
     priority: int = 0
     workdir: str | None = None
     source_path: str | None = None
@@ -397,8 +407,13 @@ class JobSpec:
 
     def policy(self) -> Policy:
         """What the doctor may do for this job."""
+        allow = self.ladder.allow
+        if self.command is not None:
+            # A knob the script does not expose is not a rung for it.
+            exposed = exposed_rungs(self.command)
+            allow = tuple(rung for rung in allow if rung in exposed)
         return Policy(
-            allow=self.ladder.allow,
+            allow=allow,
             max_attempts=self.ladder.max_attempts,
             crash_retries=self.ladder.crash_retries,
             initial=self.initial_plan(),
@@ -414,12 +429,13 @@ class JobSpec:
             "trainer": self.trainer,
             "priority": self.priority,
             "workdir": self.workdir,
-            "data": self.data.to_dict(),
-            "model": self.model.to_dict(),
+            "data": self.data.to_dict() if self.data is not None else None,
+            "model": self.model.to_dict() if self.model is not None else None,
             "train": self.train.to_dict(),
             "ladder": self.ladder.to_dict(),
             "resources": self.resources.to_dict(),
             "notify": self.notify.to_dict(),
+            "command": self.command.to_dict() if self.command is not None else None,
             "source_path": self.source_path,
         }
 
@@ -585,7 +601,8 @@ class _Section:
         if not isinstance(raw, Mapping):
             raise ctx.fail(name, f"expected a table ([{name}]), found {_describe(raw)}")
         self.raw = raw
-        self._check_unknown(_SECTION_KEYS[name])
+        if name in _SECTION_KEYS:
+            self._check_unknown(_SECTION_KEYS[name])
 
     def _check_unknown(self, allowed: tuple[str, ...]) -> None:
         for key in self.raw:
@@ -748,19 +765,33 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
             f"expected 1-64 characters of [A-Za-z0-9._-] starting with a letter or digit, found {_render(name)}",
         )
     trainer = top.str("trainer")
-    if trainer not in TRAINER_NAMES:
-        hint = _did_you_mean(trainer, TRAINER_NAMES)
-        raise top.fail("trainer", f"unknown trainer '{trainer}' (expected one of: {', '.join(TRAINER_NAMES)}){hint}")
+    trainers = (*TRAINER_NAMES, COMMAND_TRAINER)
+    if trainer not in trainers:
+        hint = _did_you_mean(trainer, trainers)
+        raise top.fail("trainer", f"unknown trainer '{trainer}' (expected one of: {', '.join(trainers)}){hint}")
     priority = top.int("priority", default=0)
     workdir = top.str("workdir", default=None)
     if workdir is not None:
         workdir = str(_resolve(ctx, workdir))
-    data_section = top.table("data", required=True)
-    assert data_section is not None
-    data = _parse_data(ctx, data_section)
-    model_section = top.table("model", required=True)
-    assert model_section is not None
-    model = _parse_model(ctx, model_section, resolution=data.resolution)
+    is_command = trainer == COMMAND_TRAINER
+    command = None
+    if is_command:
+        command_section = top.table("command", required=True)
+        assert command_section is not None
+        command = _parse_command(ctx, command_section)
+        for unused in ("data", "model"):
+            if unused in raw:
+                raise top.fail(unused, f"a command job reads its own data and builds its own model: remove [{unused}] (pass what the script needs in [command] argv)")
+        data, model = None, None
+    else:
+        if "command" in raw:
+            raise top.fail("command", f'[command] is for trainer = "{COMMAND_TRAINER}"; trainer "{trainer}" is built in')
+        data_section = top.table("data", required=True)
+        assert data_section is not None
+        data = _parse_data(ctx, data_section)
+        model_section = top.table("model", required=True)
+        assert model_section is not None
+        model = _parse_model(ctx, model_section, resolution=data.resolution)
     train_section = top.table("train", required=True)
     assert train_section is not None
     train = _parse_train(ctx, train_section)
@@ -779,6 +810,7 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
         ladder=ladder,
         resources=resources,
         notify=notify,
+        command=command,
         priority=priority,
         workdir=workdir,
         source_path=source_path,
@@ -994,3 +1026,64 @@ def _parse_notify(s: _Section) -> NotifySpec:
     tags = _string_list(s, "tags")
     events = s.names("events", NOTIFY_EVENTS, "notification event", default=DEFAULT_NOTIFY_EVENTS)
     return NotifySpec(urls=urls, tags=tags, events=tuple(events))
+
+
+def _parse_command(ctx: _Ctx, s: _Section) -> CommandSpec:
+    argv = s.get("argv", None)
+    if argv is None:
+        raise s.fail("argv", 'required key is missing (the command as a list of arguments, e.g. ["python", "train.py", "--train_batch_size={micro_batch}"])')
+    if isinstance(argv, str):
+        raise s.fail(
+            "argv",
+            f"expected a list of arguments, found a string: oomguard never runs a shell; write it as a list, e.g. {json.dumps(argv.split()[:3])}",
+        )
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
+        raise s.fail("argv", f"expected a non-empty list of non-empty strings, found {_describe(argv)}")
+    cwd = s.str("cwd", default=None)
+    if cwd is not None:
+        cwd = str(_resolve(ctx, cwd))
+    env_section = s.table("env", required=False)
+    env: dict[str, str] = {}
+    if env_section is not None:
+        for name, value in env_section.raw.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
+                raise env_section.fail(str(name), "not an environment variable name (letters, digits and _, not starting with a digit)")
+            if not isinstance(value, str):
+                raise env_section.fail(str(name), f"expected a string, found {_describe(value)}")
+            env[str(name)] = value
+    when_section = s.table("when", required=False)
+    when: dict[str, tuple[str, ...]] = {}
+    if when_section is not None:
+        for knob in when_section.raw:
+            arguments = when_section.raw[knob]
+            if isinstance(arguments, str):
+                arguments = [arguments]
+            if not isinstance(arguments, list) or not all(isinstance(a, str) and a for a in arguments):
+                raise when_section.fail(knob, f"expected a list of arguments, found {_describe(arguments)}")
+            when[knob] = tuple(arguments)
+    command = CommandSpec(argv=tuple(argv), cwd=cwd, env=tuple(sorted(env.items())), when=tuple(sorted(when.items())))
+    try:
+        check(command)
+    except CommandError as error:
+        raise s.fail("argv", str(error)) from None
+    if ctx.check_files:
+        problem = _program_problem(argv[0], Path(cwd) if cwd else ctx.base_dir)
+        if problem:
+            raise s.fail("argv", problem)
+    return command
+
+
+def _program_problem(program: str, cwd: Path) -> str | None:
+    """Why ``program`` cannot be started (checked when the job file is submitted), or None."""
+    if "{" in program:
+        return f"the program itself ({program!r}) cannot be a placeholder"
+    if "/" in program:
+        path = Path(program) if Path(program).is_absolute() else cwd / program
+        if not path.is_file():
+            return f"program {program} not found ({path} does not exist)"
+        if not os.access(path, os.X_OK):
+            return f"program {path} is not executable (chmod +x it, or start it with its interpreter, e.g. [\"python\", \"{program}\"])"
+        return None
+    if shutil.which(program) is None:
+        return f"program {program!r} not found on PATH; give its full path, or install it"
+    return None

@@ -301,7 +301,7 @@ BAD_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("workdir_int", {"workdir": 3}, "workdir: expected a string, found an integer (3)"),
     ("data_missing", {"data": _DELETE}, "data: required table [data] is missing"),
     ("model_missing", {"model": _DELETE}, "model: required table [model] is missing"),
-    ("top_unknown", {"nmae": "x"}, "nmae: unknown key (expected one of: data, ladder, model, name, notify, priority, resources, train, trainer, workdir)"),
+    ("top_unknown", {"nmae": "x"}, "nmae: unknown key (expected one of: command, data, ladder, model, name, notify, priority, resources, train, trainer, workdir)"),
     # data
     ("source_missing", {"data.source": _DELETE}, "data.source: required key is missing"),
     ("source_int", {"data.source": 8}, "data.source: expected a string, found an integer (8)"),

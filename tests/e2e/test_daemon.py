@@ -4,6 +4,7 @@ without losing anything."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,59 @@ def test_a_killed_daemon_adopts_the_attempt_it_left_running(tmp_path: Path, daem
     assert len(record["attempts"]) == 1
     assert record["attempts"][0]["outcome"]["kind"] == "finished"
     assert record["attempts"][0]["outcome"]["resumed_from"] is None
+
+
+# A stand-in for a training script that only fits at 4 samples per micro-batch: above that it
+# dies the way PyTorch does, with a CUDA OOM message on stderr and exit status 1.
+FITS_AT_4 = """\
+import argparse, sys
+parser = argparse.ArgumentParser()
+parser.add_argument("--train_batch_size", type=int)
+parser.add_argument("--gradient_accumulation_steps", type=int)
+parser.add_argument("--gradient_checkpointing", action="store_true")
+args = parser.parse_args()
+print(f"args: mb={args.train_batch_size} accum={args.gradient_accumulation_steps} ckpt={args.gradient_checkpointing}", flush=True)
+if args.train_batch_size > 4:
+    need = 2.0 + 1.5 * args.train_batch_size
+    sys.stderr.write(
+        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 8.00 GiB "
+        f"of which 0.20 GiB is free. Including non-PyTorch memory, this process has 7.80 GiB memory in use. Of the allocated "
+        f"memory 7.50 GiB is allocated by PyTorch, and 0.10 GiB is reserved by PyTorch but unallocated.\\n"
+    )
+    sys.exit(1)
+print("training finished: 10 steps", flush=True)
+"""
+
+
+def test_a_command_job_is_relaunched_with_a_smaller_micro_batch_until_it_fits(tmp_path: Path, daemon_factory) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(FITS_AT_4)
+    job = tmp_path / "script.toml"
+    job.write_text(
+        f"""name = "script"
+trainer = "command"
+[command]
+argv = ["{sys.executable}", "train.py", "--train_batch_size={{micro_batch}}", "--gradient_accumulation_steps={{grad_accum}}"]
+cwd = "{tmp_path}"
+[command.when]
+gradient_checkpointing = ["--gradient_checkpointing"]
+[train]
+batch_size = 16
+max_steps = 10
+learning_rate = 1e-4
+"""
+    )
+    daemon = daemon_factory()
+    oomguard("submit", str(job), state_dir=daemon.state_dir, check=True)
+    record = daemon.wait_job("1", timeout=120)
+    assert record["state"] == "finished", (record["result"], record["report"])
+    attempts = record["attempts"]
+    assert [a["outcome"]["kind"] for a in attempts][:-1] == ["oom"] * (len(attempts) - 1)
+    assert attempts[-1]["outcome"]["kind"] == "finished"
+    last = attempts[-1]["plan"]
+    assert last["micro_batch"] <= 4 and 16 % last["micro_batch"] == 0
+    logs = oomguard("logs", "1", state_dir=daemon.state_dir, check=True).stdout
+    assert f"args: mb={last['micro_batch']} accum={16 // last['micro_batch']}" in logs
+    assert "training finished: 10 steps" in logs
+    # The first OOM was read from the log: the doctor saw PyTorch's figures.
+    assert attempts[0]["outcome"]["memory"]["total"] == 8 * 2**30

@@ -1,0 +1,165 @@
+"""Command jobs: any training script, unchanged, with the plan's knobs as its arguments.
+
+A job file with ``trainer = "command"`` gives an argv list (never a shell string) in which
+placeholders stand for the plan's knobs, and arguments to add only when a knob is on::
+
+    [command]
+    argv = ["accelerate", "launch", "train_unconditional.py",
+            "--train_batch_size={micro_batch}", "--gradient_accumulation_steps={grad_accum}",
+            "--mixed_precision={mixed_precision}", "--output_dir={workdir}/out",
+            "--resume_from_checkpoint=latest"]
+    cwd = "."                                # default: the job's workdir
+    env = { HF_HUB_OFFLINE = "1" }
+    [command.when]
+    gradient_checkpointing = ["--gradient_checkpointing"]
+    optimizer_8bit = ["--use_8bit_adam"]
+
+Each placeholder is replaced inside its own argument, which stays one argument whatever the
+value (nothing is split, quoted or given to a shell). A knob the script does not expose is not
+a rung for the job (:func:`exposed_rungs`). No torch here: the CLI validates job files with it.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oomguard.strategies.plan import Plan
+
+# What a placeholder may name, and what it becomes for a plan.
+PLACEHOLDERS: dict[str, str] = {
+    "micro_batch": "samples per forward/backward on each process",
+    "grad_accum": "micro-batches accumulated per optimizer step",
+    "batch_size": "the effective batch (micro_batch x grad_accum x processes)",
+    "mixed_precision": "no, bf16 or fp16",
+    "attention": "default or sliced",
+    "lora_rank": "the LoRA rank (only with [command.when] lora)",
+    "workdir": "the job's work directory",
+    "attempt": "the attempt number, from 1",
+}
+
+# [command.when] keys: the knob that adds the arguments, and when it is on.
+WHEN_KNOBS: dict[str, str] = {
+    "gradient_checkpointing": "gradient checkpointing is on",
+    "attention_slicing": "attention is sliced",
+    "optimizer_8bit": "the optimizer is 8-bit AdamW",
+    "offload_optimizer": "the optimizer state is offloaded to the host",
+    "lora": "LoRA adapters are trained (with {lora_rank})",
+}
+
+# The rungs a command job may take, by what its command exposes. The allocator rung is the
+# daemon's own (an environment variable): every script has it.
+_RUNG_NEEDS: dict[str, tuple[str, ...]] = {
+    "allocator": (),
+    "micro_batch": ("{micro_batch}", "{grad_accum}"),
+    "checkpointing": ("when:gradient_checkpointing",),
+    "attention": ("when:attention_slicing|{attention}",),
+    "offload": ("when:offload_optimizer",),
+    "precision": ("{mixed_precision}",),
+    "optimizer_8bit": ("when:optimizer_8bit",),
+    "lora": ("when:lora",),
+}
+
+
+class CommandError(ValueError):
+    """A [command] table that cannot be run; str() says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    argv: tuple[str, ...]
+    cwd: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    when: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"argv": list(self.argv), "cwd": self.cwd, "env": dict(self.env), "when": {k: list(v) for k, v in self.when}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CommandSpec:
+        return cls(
+            argv=tuple(data["argv"]),
+            cwd=data.get("cwd"),
+            env=tuple(sorted((data.get("env") or {}).items())),
+            when=tuple(sorted((k, tuple(v)) for k, v in (data.get("when") or {}).items())),
+        )
+
+    def placeholders(self) -> set[str]:
+        names: set[str] = set()
+        for argument in (*self.argv, *(a for _, args in self.when for a in args), *(v for _, v in self.env)):
+            names |= placeholders_in(argument)
+        return names
+
+
+def placeholders_in(argument: str) -> set[str]:
+    """The placeholder names in one argument; CommandError for a malformed one."""
+    try:
+        return {name for _, name, _, _ in string.Formatter().parse(argument) if name is not None}
+    except ValueError as error:
+        raise CommandError(f"argument {argument!r} is not a valid template ({error}); write {{{{ and }}}} for literal braces") from None
+
+
+def check(command: CommandSpec) -> None:
+    """Every placeholder known, every [command.when] key known."""
+    for name in sorted(command.placeholders()):
+        if name not in PLACEHOLDERS or not re.fullmatch(r"[a-z_]+", name):
+            known = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
+            raise CommandError(f"unknown placeholder {{{name}}} (known: {known})")
+    for knob, _ in command.when:
+        if knob not in WHEN_KNOBS:
+            raise CommandError(f"unknown [command.when] knob {knob!r} (known: {', '.join(WHEN_KNOBS)})")
+
+
+def exposed_rungs(command: CommandSpec) -> tuple[str, ...]:
+    """The rungs this command can take: those whose knobs it passes on to the script."""
+    names = command.placeholders()
+    when = {knob for knob, _ in command.when}
+    exposed = []
+    for rung, needs in _RUNG_NEEDS.items():
+        if all(any(_has(option, names, when) for option in need.split("|")) for need in needs):
+            exposed.append(rung)
+    return tuple(exposed)
+
+
+def _has(need: str, names: set[str], when: set[str]) -> bool:
+    if need.startswith("when:"):
+        return need[5:] in when
+    return need.strip("{}") in names
+
+
+def knob_is_on(plan: Plan, knob: str) -> bool:
+    return {
+        "gradient_checkpointing": plan.gradient_checkpointing,
+        "attention_slicing": plan.attention == "sliced",
+        "optimizer_8bit": plan.optimizer == "adamw8bit",
+        "offload_optimizer": plan.offload == "optimizer",
+        "lora": plan.lora_rank is not None,
+    }[knob]
+
+
+def values(plan: Plan, workdir: Path, attempt: int) -> dict[str, str]:
+    return {
+        "micro_batch": str(plan.micro_batch),
+        "grad_accum": str(plan.grad_accum),
+        "batch_size": str(plan.batch_size),
+        "mixed_precision": plan.mixed_precision,
+        "attention": plan.attention,
+        "lora_rank": str(plan.lora_rank or 0),
+        "workdir": str(workdir),
+        "attempt": str(attempt),
+    }
+
+
+def render(command: CommandSpec, plan: Plan, workdir: Path, attempt: int) -> tuple[list[str], dict[str, str]]:
+    """The argv and the extra environment for one attempt under ``plan``."""
+    known = values(plan, workdir, attempt)
+    argv = [argument.format_map(known) for argument in command.argv]
+    for knob, arguments in command.when:
+        if knob_is_on(plan, knob):
+            argv.extend(argument.format_map(known) for argument in arguments)
+    env = {name: value.format_map(known) for name, value in command.env}
+    return argv, env
