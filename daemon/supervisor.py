@@ -32,8 +32,9 @@ from oomguard.daemon.spool import Arrival, Request, Spool
 from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
 from oomguard.daemon.users import Account, PermissionRefused, check_may_change, child_environment, make_user_directory, spawn_options, system_mode
 from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, open_regular, read_json
-from oomguard.jobs.command import render
+from oomguard.jobs.command import BOOTSTRAP_DIR, render
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
+from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
 from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
@@ -461,6 +462,12 @@ class Supervisor:
             runner, extra_env = render(spec.command, plan, workdir, number)
             env.update(extra_env)
             cwd = Path(spec.command.cwd) if spec.command.cwd else workdir
+            if job["emulate_device_memory"] or EMULATED_GPUS_ENV in env:
+                # The script's own Python counts its tensors against the emulated capacity
+                # (jobs/bootstrap/sitecustomize.py), unchanged.
+                if job["emulate_device_memory"]:
+                    env[EMULATE_DEVICE_MEMORY_ENV] = job["emulate_device_memory"]
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), env.get("PYTHONPATH", "")]))
         # The shim (as the owner, in a session of its own) writes attempt.json from its
         # standard input, runs the runner and records its exit status for any daemon to read.
         try:

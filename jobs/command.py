@@ -30,6 +30,9 @@ from typing import Any
 
 from oomguard.strategies.plan import Plan
 
+# Put first on a command job's PYTHONPATH when its device memory is emulated (script_memory.py).
+BOOTSTRAP_DIR = Path(__file__).parent / "bootstrap"
+
 # What a placeholder may name, and what it becomes for a plan.
 PLACEHOLDERS: dict[str, str] = {
     "micro_batch": "samples per forward/backward on each process",

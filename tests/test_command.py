@@ -105,3 +105,29 @@ def test_command_tables_belong_to_command_jobs():
 def test_check_names_the_known_placeholders():
     with pytest.raises(CommandError, match=r"unknown placeholder \{nope\}"):
         check(CommandSpec(argv=("x", "{nope}")))
+
+
+def run_with_bootstrap(code: str, tmp_path: Path, **env: str) -> str:
+    import os
+    import subprocess
+
+    from oomguard.jobs.command import BOOTSTRAP_DIR
+
+    other = tmp_path / "other"
+    other.mkdir(exist_ok=True)
+    (other / "sitecustomize.py").write_text("print('the hidden sitecustomize ran', flush=True)\n")
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("OOMGUARD_")}
+    environment.update(env, PYTHONPATH=os.pathsep.join([str(BOOTSTRAP_DIR), str(other)]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
+    return done.stdout + done.stderr
+
+
+def test_the_bootstrap_loads_nothing_until_the_script_imports_torch_and_keeps_the_hidden_sitecustomize(tmp_path: Path):
+    output = run_with_bootstrap("import sys; print('torch loaded:', 'torch' in sys.modules)", tmp_path, OOMGUARD_EMULATE_DEVICE_MEMORY="8MiB")
+    assert "the hidden sitecustomize ran" in output and "torch loaded: False" in output
+
+
+def test_a_script_that_imports_torch_runs_on_the_emulated_device(tmp_path: Path):
+    code = "import torch\ntry:\n    torch.zeros(4 * 2**20)\nexcept torch.OutOfMemoryError as error:\n    print('OOM:', str(error)[:60])\nelse:\n    print('fits')"
+    assert "OOM: CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a" in run_with_bootstrap(code, tmp_path, OOMGUARD_EMULATE_DEVICE_MEMORY="8MiB")
+    assert "fits" in run_with_bootstrap(code, tmp_path)  # no capacity: nothing emulated

@@ -219,3 +219,51 @@ learning_rate = 1e-4
     assert "training finished: 10 steps" in logs
     # The first OOM was read from the log: the doctor saw PyTorch's figures.
     assert attempts[0]["outcome"]["memory"]["total"] == 8 * 2**30
+
+
+# A plain PyTorch script that knows nothing of oomguard: its batch size is an argument.
+TORCH_SCRIPT = """\
+import argparse, torch
+parser = argparse.ArgumentParser()
+parser.add_argument("--train_batch_size", type=int)
+parser.add_argument("--gradient_accumulation_steps", type=int)
+args = parser.parse_args()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+optimizer = torch.optim.AdamW(model.parameters())
+for step in range(4):
+    for _ in range(args.gradient_accumulation_steps):
+        loss = model(torch.randn(args.train_batch_size, 256)).pow(2).mean() / args.gradient_accumulation_steps
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print(f"finished {step + 1} steps at micro-batch {args.train_batch_size}", flush=True)
+"""
+
+
+def test_a_torch_script_runs_out_of_emulated_memory_unchanged_and_is_relaunched(tmp_path: Path, daemon_factory) -> None:
+    (tmp_path / "train.py").write_text(TORCH_SCRIPT)
+    job = tmp_path / "torch-script.toml"
+    job.write_text(
+        f"""name = "torch-script"
+trainer = "command"
+[command]
+argv = ["{sys.executable}", "train.py", "--train_batch_size={{micro_batch}}", "--gradient_accumulation_steps={{grad_accum}}"]
+cwd = "{tmp_path}"
+[train]
+batch_size = 2048
+max_steps = 4
+learning_rate = 1e-3
+"""
+    )
+    daemon = daemon_factory("--emulate-device-memory", "8MiB")
+    oomguard("submit", str(job), state_dir=daemon.state_dir, check=True)
+    record = daemon.wait_job("1", timeout=180)
+    assert record["state"] == "finished", (record["result"], record["report"])
+    first, *_, last = record["attempts"]
+    assert first["outcome"]["kind"] == "oom" and first["outcome"]["memory"]["total"] == 8 * 2**20
+    assert last["outcome"]["kind"] == "finished"
+    assert last["plan"]["micro_batch"] < 2048 and last["plan"]["micro_batch"] * (2048 // last["plan"]["micro_batch"]) == 2048
+    logs = oomguard("logs", "1", state_dir=daemon.state_dir, check=True).stdout
+    assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in logs
+    assert f"finished 4 steps at micro-batch {last['plan']['micro_batch']}" in logs

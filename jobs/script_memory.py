@@ -1,0 +1,82 @@
+"""Emulated device memory inside a user's script, without changing the script.
+
+A command job's Python processes start with jobs/bootstrap/ first on PYTHONPATH; its
+sitecustomize calls :func:`install_when_torch_loads` when a capacity is set. The first
+``import torch`` of the script then also enters an :class:`EmulatedDevice` for the main
+thread, so the script's tensors count against the capacity and running out raises PyTorch's
+own ``torch.OutOfMemoryError`` with the CUDA allocator's wording, which the daemon reads from
+the log as it reads a real one. The capacity is the first entry of the job's schedule, or the
+emulated GPU's room when the process starts. Nothing of torch is imported before the script
+imports it.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+from oomguard.jobs.emulated_gpus import AssignedGpu
+from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
+
+# Kept for the life of the process: the mode stays entered until the interpreter exits.
+_DEVICE: list[Any] = []
+
+
+def capacity_from_environment() -> int | None:
+    limits = []
+    text = os.environ.get(EMULATE_DEVICE_MEMORY_ENV)
+    if text:
+        limits.append(CapSchedule.parse(text).limit_at(0))
+    gpu = AssignedGpu.from_environment()
+    if gpu is not None:
+        limits.append(gpu.capacity_for(os.getpid()))
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None
+
+
+def enter_emulated_device(capacity: int) -> None:
+    from oomguard.jobs.device_memory import EmulatedDevice
+
+    gpu = AssignedGpu.from_environment()
+    device = EmulatedDevice(capacity=capacity, device_index=gpu.index if gpu else 0)
+    device.__enter__()
+    _DEVICE.append(device)
+
+
+class _AfterTorch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps torch's own loader so that the device is entered once
+    torch has finished loading."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        capacity = self.capacity
+        original = loader.exec_module  # type: ignore[attr-defined]
+
+        def exec_module(module: Any) -> None:
+            original(module)
+            enter_emulated_device(capacity)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install_when_torch_loads() -> None:
+    capacity = capacity_from_environment()
+    if capacity is None:
+        return
+    if "torch" in sys.modules:
+        enter_emulated_device(capacity)
+    else:
+        sys.meta_path.insert(0, _AfterTorch(capacity))
