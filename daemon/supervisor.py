@@ -32,14 +32,14 @@ from oomguard.daemon.spool import Arrival, Request, Spool
 from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
 from oomguard.daemon.users import Account, PermissionRefused, check_may_change, child_environment, make_user_directory, spawn_options, system_mode
 from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, open_regular, read_json
-from oomguard.jobs.command import BOOTSTRAP_DIR, render
+from oomguard.jobs.command import BOOTSTRAP_DIR, last_step_count, render
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
 from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
 from oomguard.strategies.memory_model import MARGIN_RAN
-from oomguard.strategies.oom_text import read_oom_tail
+from oomguard.strategies.oom_text import read_oom, read_tail
 from oomguard.strategies.outcome import Outcome, format_bytes
 from oomguard.strategies.plan import Plan
 
@@ -75,14 +75,17 @@ def outcome_without_report(attempt_dir: Path, returncode: int | None) -> Outcome
         fallback = Outcome.from_exit_status(returncode)
     try:
         with open_regular(attempt_dir / LOG) as log:
-            verdict = read_oom_tail(log, max_bytes=OUTPUT_TAIL_BYTES)
+            text = read_tail(log, max_bytes=OUTPUT_TAIL_BYTES)
     except OSError:
         return fallback
+    verdict = read_oom(text)
+    # A script's own progress line says how far it got (its checkpoints are its own).
+    step = last_step_count(text) or 0
     if verdict.is_device_oom:
-        return Outcome(kind="oom", memory=verdict.memory_figures(), message=verdict.message, exit_code=fallback.exit_code)
+        return Outcome(kind="oom", step=step, memory=verdict.memory_figures(), message=verdict.message, exit_code=fallback.exit_code)
     if verdict.kind == "host_oom":
-        return Outcome(kind="host_oom", message=verdict.reason, traceback_tail=verdict.message, exit_code=fallback.exit_code)
-    return dataclasses.replace(fallback, traceback_tail=verdict.message)
+        return Outcome(kind="host_oom", step=step, message=verdict.reason, traceback_tail=verdict.message, exit_code=fallback.exit_code)
+    return dataclasses.replace(fallback, step=step, traceback_tail=verdict.message)
 
 
 def _past_attempt(attempt: dict[str, Any]) -> PastAttempt:
@@ -631,7 +634,8 @@ class Supervisor:
     def _next_step(self, job: dict[str, Any], outcome: Outcome) -> None:
         if outcome.kind == "finished":
             if json.loads(job["spec"]).get("command"):
-                self._end_job(job, "finished", "the command exited with code 0", next_step="nothing: the script has written its results")
+                steps = f" after step {outcome.step}" if outcome.step else ""
+                self._end_job(job, "finished", f"the command exited with code 0{steps}", next_step="nothing: the script has written its results")
                 return
             final = Path(job["workdir"]) / "final"
             self._end_job(job, "finished", f"finished {outcome.step} steps; final model in {final}", next_step=f"nothing: the final model is in {final}")

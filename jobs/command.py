@@ -166,3 +166,14 @@ def render(command: CommandSpec, plan: Plan, workdir: Path, attempt: int) -> tup
             argv.extend(argument.format_map(known) for argument in arguments)
     env = {name: value.format_map(known) for name, value in command.env}
     return argv, env
+
+
+# The progress line of diffusers' example scripts (tqdm "Steps:  45%|####5     | 9/20 [...]")
+# and of scripts that print "Steps: 9/20" at the end.
+_STEPS = re.compile(r"Steps:[^\n\r]*?(\d+)/(\d+)")
+
+
+def last_step_count(log_text: str) -> int | None:
+    """The optimizer step a script's log last reported, when it reports one."""
+    found = _STEPS.findall(log_text)
+    return int(found[-1][0]) if found else None

@@ -5,9 +5,11 @@ sitecustomize calls :func:`install_when_torch_loads` when a capacity is set. The
 ``import torch`` of the script then also enters an :class:`EmulatedDevice` for the main
 thread, so the script's tensors count against the capacity and running out raises PyTorch's
 own ``torch.OutOfMemoryError`` with the CUDA allocator's wording, which the daemon reads from
-the log as it reads a real one. The capacity is the first entry of the job's schedule, or the
-emulated GPU's room when the process starts. Nothing of torch is imported before the script
-imports it.
+the log as it reads a real one. Nothing of torch is imported before the script imports it.
+
+The capacity follows the job's schedule (``64MiB,3MiB@5``) counted in optimizer steps *of this
+process* (a global optimizer-step hook counts them: the script's own step numbering is not
+known here), within the emulated GPU's room when the process starts.
 """
 
 from __future__ import annotations
@@ -25,11 +27,14 @@ from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 _DEVICE: list[Any] = []
 
 
-def capacity_from_environment() -> int | None:
-    limits = []
+def _schedule() -> CapSchedule | None:
     text = os.environ.get(EMULATE_DEVICE_MEMORY_ENV)
-    if text:
-        limits.append(CapSchedule.parse(text).limit_at(0))
+    return CapSchedule.parse(text) if text else None
+
+
+def capacity_from_environment(steps_done: int = 0) -> int | None:
+    schedule = _schedule()
+    limits = [schedule.limit_at(steps_done)] if schedule is not None else []
     gpu = AssignedGpu.from_environment()
     if gpu is not None:
         limits.append(gpu.capacity_for(os.getpid()))
@@ -38,12 +43,23 @@ def capacity_from_environment() -> int | None:
 
 
 def enter_emulated_device(capacity: int) -> None:
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
     from oomguard.jobs.device_memory import EmulatedDevice
 
     gpu = AssignedGpu.from_environment()
     device = EmulatedDevice(capacity=capacity, device_index=gpu.index if gpu else 0)
     device.__enter__()
     _DEVICE.append(device)
+    steps = [0]
+
+    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        steps[0] += 1
+        device.capacity = capacity_from_environment(steps[0])
+
+    schedule = _schedule()
+    if schedule is not None and len(schedule.entries) > 1:  # the capacity changes at some step
+        register_optimizer_step_post_hook(after_step)
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):

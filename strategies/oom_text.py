@@ -142,11 +142,11 @@ def read_oom_log(path: str | PathLike[str], max_bytes: int = LOG_TAIL_BYTES) -> 
     Raises OSError when the file cannot be read.
     """
     with open(path, "rb") as f:
-        return read_oom_tail(f, max_bytes)
+        return read_oom(read_tail(f, max_bytes))
 
 
-def read_oom_tail(f: BinaryIO, max_bytes: int = LOG_TAIL_BYTES) -> OomVerdict:
-    """``read_oom`` on the last ``max_bytes`` of an open (seekable) log file."""
+def read_tail(f: BinaryIO, max_bytes: int = LOG_TAIL_BYTES) -> str:
+    """The last ``max_bytes`` of an open (seekable) log file, from its first whole line."""
     f.seek(0, 2)
     size = f.tell()
     f.seek(max(0, size - max_bytes))
@@ -154,7 +154,7 @@ def read_oom_tail(f: BinaryIO, max_bytes: int = LOG_TAIL_BYTES) -> OomVerdict:
     text = data.decode("utf-8", errors="replace")
     if size > max_bytes:
         text = text.partition("\n")[2]  # the first line is cut
-    return read_oom(text)
+    return text
 
 
 def describe_size(n: int | None) -> str:

@@ -131,3 +131,17 @@ def test_a_script_that_imports_torch_runs_on_the_emulated_device(tmp_path: Path)
     code = "import torch\ntry:\n    torch.zeros(4 * 2**20)\nexcept torch.OutOfMemoryError as error:\n    print('OOM:', str(error)[:60])\nelse:\n    print('fits')"
     assert "OOM: CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a" in run_with_bootstrap(code, tmp_path, OOMGUARD_EMULATE_DEVICE_MEMORY="8MiB")
     assert "fits" in run_with_bootstrap(code, tmp_path)  # no capacity: nothing emulated
+
+
+@pytest.mark.parametrize(
+    ("log", "step"),
+    [
+        ("Steps:  45%|####5     | 9/20 [00:03<00:04, 2.4it/s, loss=0.1]\rSteps:  50%|#####     | 10/20 [00:03<00:04]", 10),
+        ("step 19 loss 0.9\nSteps: 20/20\n", 20),
+        ("no progress here\n", None),
+    ],
+)
+def test_the_last_step_count_of_a_script_log(log, step):
+    from oomguard.jobs.command import last_step_count
+
+    assert last_step_count(log) == step
