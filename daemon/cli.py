@@ -15,6 +15,7 @@ import os
 import pwd
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -234,23 +235,16 @@ def cmd_neighbour(args: argparse.Namespace) -> int:
         raise CliError(str(error)) from None
     except ValueError as error:
         raise CliError(f"{error}; `oomguard gpus` lists the GPUs") from None
-    stop = {"now": False}
-
-    def finish(signum: int, frame: object) -> None:
-        stop["now"] = True
-
-    signal.signal(signal.SIGTERM, finish)
-    signal.signal(signal.SIGINT, finish)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     pid = os.getpid()
     try:
         # Each size is held for --seconds, in turn: "10MiB,40MiB" grows from 10 to 40 MiB.
         for size in steps:
             folder.publish(gpu.index, pid, size, "neighbour")
             print(f"neighbour {pid} holds {format_size(size)} on emulated GPU {gpu.index}", flush=True)
-            deadline = time.monotonic() + args.seconds
-            while time.monotonic() < deadline and not stop["now"]:
-                time.sleep(0.05)
-            if stop["now"]:
+            if stop.wait(args.seconds):
                 break
     finally:
         folder.withdraw(gpu.index, pid)

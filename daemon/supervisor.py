@@ -160,7 +160,7 @@ class Supervisor:
             cap_bytes=oom.get("total") or heartbeat.get("capacity_bytes"),
             summary=message.splitlines()[0],
             next_step=next_step,
-            gpus=attempts[-1]["gpus"] or "" if attempts else "",
+            gpus=(attempts[-1]["gpus"] or "") if attempts else "",
         )
         self.notifier.notify(facts, urls=self._secret_urls(job["id"]), tags=spec.notify.tags, events=spec.notify.events)
 
@@ -330,33 +330,32 @@ class Supervisor:
         queued = self.store.queued_jobs()
         if not queued:
             return
+        limit = self.max_parallel if self.max_parallel is not None else (None if self.gpus is not None else 1)
+        # What the GPUs hold is read once per pass, and again only after an attempt started.
         gpus = self.gpus.read() if self.gpus is not None else None
+        holders = self._holders(gpus) if gpus is not None else {}
         for job in queued:
-            limit = self.max_parallel if self.max_parallel is not None else (None if gpus is not None else 1)
             if limit is not None and len(self._running) >= limit:
                 return
             if job["cancel_requested"]:
                 continue
             try:
-                started = self._try_to_start(job, gpus)
+                started = self._try_to_start(job, gpus, holders)
             except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
                 self._failed_on(job["id"], "starting an attempt", error)
                 continue
             if started and gpus is not None:
                 gpus = self.gpus.read()  # type: ignore[union-attr]
+                holders = self._holders(gpus)
 
-    def _try_to_start(self, job: dict[str, Any], gpus: list[Any] | None) -> bool:
-        """Start the job's next attempt where it fits; False (and why, in the job) when it waits."""
+    def _try_to_start(self, job: dict[str, Any], gpus: list[Any] | None, holders: dict[int, list[Holder]]) -> bool:
+        """Start the job's next attempt where it fits; False (and why, in the job) when it waits.
+        A job that can never fit (more GPUs than the box has) waits like any other, saying so,
+        and is reported stalled after --stall-after: a card may only be lost for a while."""
         placed: tuple[int, ...] | None = None
         if gpus is not None:
             spec = JobSpec.from_dict(json.loads(job["spec"]))
-            if spec.resources.gpus > len(gpus):
-                self._end_job(
-                    job, "failed", f"needs {spec.resources.gpus} GPUs; this box has {len(gpus)}",
-                    next_step="nothing: the job has ended; lower resources.gpus and submit it again",
-                )
-                return False
-            where = place(self._need(job, spec), gpus, self._holders(gpus))
+            where = place(self._need(job, spec), gpus, holders)
             if not isinstance(where, Placed):
                 # Lower-priority jobs may still fit elsewhere: the caller looks at them too. The
                 # reason is an event when it changes in words, not with every byte of free memory.
@@ -632,8 +631,9 @@ class Supervisor:
             self._next_step(job, outcome)
 
     def _next_step(self, job: dict[str, Any], outcome: Outcome) -> None:
+        spec = JobSpec.from_dict(json.loads(job["spec"]))
         if outcome.kind == "finished":
-            if json.loads(job["spec"]).get("command"):
+            if spec.command is not None:
                 steps = f" after step {outcome.step}" if outcome.step else ""
                 self._end_job(job, "finished", f"the command exited with code 0{steps}", next_step="nothing: the script has written its results")
                 return
@@ -647,7 +647,6 @@ class Supervisor:
             self.store.update_job(job["id"], state="queued")
             self.event(job, "requeued", f"stopped with the daemon at step {outcome.step}; it resumes when the daemon starts again")
             return
-        spec = JobSpec.from_dict(json.loads(job["spec"]))
         # The plan the attempt ended under: its probe or an in-process recovery may have
         # moved it from the one it started with.
         plan = outcome.plan or Plan.from_dict(json.loads(job["plan"]))

@@ -75,10 +75,13 @@ class AttemptConfig:
         return cls.from_dict(json.loads((attempt_dir / CONFIG).read_text()))
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Readers (the daemon, `oomguard show`) see the old file or the new one, never half."""
+def write_json_atomic(path: Path, data: Any, mode: int | None = None) -> None:
+    """Readers (the daemon, `oomguard show`) see the old file or the new one, never half.
+    ``mode``: the file's permissions whatever the writer's umask (others must read it)."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(data, indent=2))
+    if mode is not None:
+        temporary.chmod(mode)
     temporary.replace(path)
 
 

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from oomguard.jobs.attempt import read_json
-from oomguard.jobs.sizes import format_size, parse_size
+from oomguard.jobs.attempt import read_json, write_json_atomic
+from oomguard.jobs.sizes import CapSchedule, format_size, parse_size
 
 EMULATED_GPUS_ENV = "OOMGUARD_EMULATED_GPUS"
 _SPEC = re.compile(r"^\s*(\d+)\s*x\s*(\S+)\s*$")
@@ -86,7 +86,7 @@ class EmulatedGpuFolder:
             folder.mkdir(exist_ok=True)
             # Runners of every user write their usage here (sticky: nobody removes another's).
             folder.chmod(0o1777)
-        _write_atomic(self.root / "gpus.json", [{"index": g.index, "total": g.total} for g in gpus])
+        write_json_atomic(self.root / "gpus.json", [{"index": g.index, "total": g.total} for g in gpus], mode=0o644)
         return self
 
     def gpus(self) -> tuple[EmulatedGpu, ...]:
@@ -125,17 +125,11 @@ class EmulatedGpuFolder:
 
     def publish(self, index: int, pid: int, used_bytes: int, what: str) -> None:
         """Say how much this process holds on the GPU now."""
-        _write_atomic(self.root / str(index) / f"{pid}.json", {"pid": pid, "bytes": int(used_bytes), "what": what, "at": time.time()})
+        # Readable by everyone: other users' runners subtract it from their room.
+        write_json_atomic(self.root / str(index) / f"{pid}.json", {"pid": pid, "bytes": int(used_bytes), "what": what, "at": time.time()}, mode=0o644)
 
     def withdraw(self, index: int, pid: int) -> None:
         (self.root / str(index) / f"{pid}.json").unlink(missing_ok=True)
-
-
-def _write_atomic(path: Path, data: object) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(data))
-    temporary.chmod(0o644)
-    temporary.replace(path)
 
 
 @dataclass(frozen=True)
@@ -156,3 +150,13 @@ class AssignedGpu:
     def capacity_for(self, pid: int) -> int:
         """The card's total less what every other process on it holds now."""
         return max(self.folder.gpu(self.index).total - self.folder.used_by_others(self.index, pid), 1)
+
+
+def emulated_capacity(schedule: CapSchedule | None, gpu: AssignedGpu | None, step: int) -> int | None:
+    """The emulated capacity at ``step``: the schedule's, within the GPU's room now (None: no
+    cap). The runner and the bootstrap of command jobs both take it from here."""
+    limits = [schedule.limit_at(step)] if schedule is not None else []
+    if gpu is not None:
+        limits.append(gpu.capacity_for(os.getpid()))
+    known = [limit for limit in limits if limit is not None]
+    return min(known) if known else None

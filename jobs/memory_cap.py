@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from oomguard.jobs.device_memory import EmulatedDevice, limit_cuda_memory
-from oomguard.jobs.emulated_gpus import AssignedGpu
+from oomguard.jobs.emulated_gpus import AssignedGpu, emulated_capacity
 from oomguard.jobs.sizes import CapSchedule, parse_size
 from oomguard.strategies.outcome import MemoryFigures
 
@@ -73,11 +73,7 @@ class DeviceMemory:
             self.emulated.__exit__(*exc_info)
 
     def _emulated_limit(self, step: int) -> int | None:
-        limits = [] if self.schedule is None else [self.schedule.limit_at(step)]
-        if self.gpu is not None:
-            limits.append(self.gpu.capacity_for(os.getpid()))
-        known = [limit for limit in limits if limit is not None]
-        return min(known) if known else None
+        return emulated_capacity(self.schedule, self.gpu, step)
 
     def begin_step(self, step: int) -> None:
         """Apply the capacity for ``step`` (the schedule's, and the emulated GPU's room now)."""

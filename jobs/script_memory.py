@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-from oomguard.jobs.emulated_gpus import AssignedGpu
+from oomguard.jobs.emulated_gpus import AssignedGpu, emulated_capacity
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 
 # Kept for the life of the process: the mode stays entered until the interpreter exits.
@@ -33,13 +33,7 @@ def _schedule() -> CapSchedule | None:
 
 
 def capacity_from_environment(steps_done: int = 0) -> int | None:
-    schedule = _schedule()
-    limits = [schedule.limit_at(steps_done)] if schedule is not None else []
-    gpu = AssignedGpu.from_environment()
-    if gpu is not None:
-        limits.append(gpu.capacity_for(os.getpid()))
-    known = [limit for limit in limits if limit is not None]
-    return min(known) if known else None
+    return emulated_capacity(_schedule(), AssignedGpu.from_environment(), steps_done)
 
 
 def enter_emulated_device(capacity: int) -> None:
