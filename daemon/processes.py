@@ -1,9 +1,17 @@
-"""Is that process still the one we started? A pid alone can be reused after a reboot or a
-long run; the pid and its start time (in clock ticks since boot, /proc/PID/stat field 22)
-name one process for good."""
+"""Which processes are an attempt's, and are they still the ones we started?
+
+A pid alone can be reused after a reboot or a long run; the pid and its start time (in clock
+ticks since boot, /proc/PID/stat field 22) name one process for good. An attempt's processes
+are not just the shim's process group: launchers such as torchrun start every rank in a
+session of its own, so they are found as the shim's descendants and by the mark in their
+environment."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -25,3 +33,99 @@ def start_ticks(pid: int) -> int | None:
 def is_running(pid: int, started: int | None) -> bool:
     ticks = start_ticks(pid)
     return ticks is not None and (started is None or ticks == started)
+
+
+# The environment variable that marks every process of an attempt with its attempt directory.
+# The shim sets it for the command; launchers pass their environment on to the ranks they
+# start, so the mark finds ranks that left the shim's session (torchrun starts each rank in a
+# session of its own) or were orphaned when their launcher died.
+ATTEMPT_DIR_ENV = "OOMGUARD_ATTEMPT_DIR"
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every live (not zombie) process."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:
+            continue  # ended while we looked
+        fields = text[text.rindex(")") + 2:].split()
+        if fields[0] not in ("Z", "X"):
+            parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> set[int]:
+    """The live processes below ``pid`` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def marks() -> dict[int, str]:
+    """pid -> attempt directory, for every live process that carries an attempt's mark (of
+    those we may read: our own user's, or all as root)."""
+    prefix = f"{ATTEMPT_DIR_ENV}=".encode()
+    found: dict[int, str] = {}
+    for pid in _parents():
+        try:
+            environment = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue  # another user's process, or gone
+        for variable in environment.split(b"\0"):
+            if variable.startswith(prefix):
+                found[pid] = variable[len(prefix):].decode(errors="replace")
+                break
+    return found
+
+
+def marked_with(attempt_dir: str) -> set[int]:
+    """The live processes marked as processes of ``attempt_dir``."""
+    return {pid for pid, mark in marks().items() if mark == attempt_dir}
+
+
+def of_attempt(shim_pid: int | None, attempt_dir: str) -> set[int]:
+    """Every live process of one attempt but the caller: the shim's descendants and whatever
+    carries the attempt's mark."""
+    found = marked_with(attempt_dir)
+    if shim_pid is not None:
+        found |= descendants(shim_pid)
+    found.discard(os.getpid())
+    return found
+
+
+def send(pids: set[int], signum: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone, or not ours to signal
+
+
+def end_all(find: Callable[[], set[int]], grace_seconds: float) -> set[int]:
+    """Ask every process ``find`` returns to stop (SIGTERM), then kill what is left after
+    ``grace_seconds`` (SIGKILL). Returns the processes that were signalled."""
+    signalled = find()
+    send(signalled, signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while signalled and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = find()
+        if not left:
+            return signalled
+        send(left - signalled, signal.SIGTERM)  # started meanwhile (a launcher restarting ranks)
+        signalled |= left
+    left = find()
+    send(left, signal.SIGKILL)
+    return signalled | left

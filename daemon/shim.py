@@ -7,22 +7,43 @@ the job log, waits for it, and records how it ended in ``exit.json``. The attemp
 does not depend on the daemon: a daemon that is restarted, upgraded or killed finds the exit
 status there, or adopts the shim while it still runs (by pid and start time).
 
-Signals: the daemon signals the whole process group (shim and command). The shim itself
-outlives SIGTERM/SIGINT/SIGHUP so that it can record the command's exit; it uses a handler
-rather than SIG_IGN because an ignored signal would stay ignored in the command it execs.
+Nothing of the attempt outlives it. The command runs with the attempt's mark in its
+environment (daemon/processes.py), and the shim is a child subreaper, so ranks that a launcher
+started in sessions of their own stay findable even when the launcher dies. When a process of
+the attempt records that it died of an out-of-memory error, or a rank of a multi-process job
+that it died at all (jobs/bootstrap/oomguard_ranks.py), the shim brings every process of the
+attempt down at once (SIGTERM, SIGKILL after a grace period) instead of leaving the other
+ranks to wait out a collective's timeout; and whatever is left when the command ends is
+ended too.
+
+Signals: the daemon signals the whole process group (shim and command); the shim passes the
+signal on to the attempt's processes outside its group. The shim itself outlives
+SIGTERM/SIGINT/SIGHUP so that it can record the command's exit; it uses a handler rather than
+SIG_IGN because an ignored signal would stay ignored in the command it execs.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import IO, Any
 
+from oomguard.daemon import processes
 from oomguard.jobs.attempt import CONFIG, HEARTBEAT, LOG, METRICS, OUTCOME, write_json_atomic
+from oomguard.jobs.bootstrap import oomguard_ranks
 
 EXIT_STATUS = "exit.json"
+# How often the shim looks for a failed rank's mark while the command runs.
+POLL_SECONDS = 0.2
+# How long the attempt's processes have between SIGTERM and SIGKILL once one rank has failed
+# (or the command has ended with processes left over).
+TEARDOWN_GRACE_SECONDS = 3.0
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,27 +58,105 @@ def main(argv: list[str] | None = None) -> int:
     # whatever the daemon reads next must be this attempt's.
     for stale in (OUTCOME, HEARTBEAT, METRICS, EXIT_STATUS):
         (attempt_dir / stale).unlink(missing_ok=True)
+    for stale_mark in attempt_dir.glob(f"{oomguard_ranks.MARK_PREFIX}*"):
+        stale_mark.unlink(missing_ok=True)
     if config:
         temporary = attempt_dir / f".{CONFIG}.tmp"
         temporary.write_text(config)
         temporary.replace(attempt_dir / CONFIG)
+    _become_subreaper()
+
+    def ours() -> set[int]:
+        return processes.of_attempt(os.getpid(), args[0])
+
     received: list[str] = []
 
     def note(signum: int, frame: object) -> None:
         received.append(signal.Signals(signum).name)
+        # The daemon signalled our process group; ranks in sessions of their own missed it.
+        group = os.getpgrp()
+        processes.send({pid for pid in ours() if _group_of(pid) not in (group, None)}, signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, note)
+    environment = {**os.environ, processes.ATTEMPT_DIR_ENV: args[0]}
     with (attempt_dir / LOG).open("ab") as log:
         try:
-            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment)
         except OSError as error:
             log.write(f"oomguard: cannot start {command[0]}: {error.strerror}\n".encode())
             write_json_atomic(attempt_dir / EXIT_STATUS, {"returncode": 127, "ended_at": time.time(), "error": str(error)})
             return 127
-        returncode = child.wait()
-    write_json_atomic(attempt_dir / EXIT_STATUS, {"returncode": returncode, "ended_at": time.time(), "signals": received})
+        status: dict[str, Any] = {}
+        returncode = _wait(child, attempt_dir, ours, log, status)
+        left_over = processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
+        if left_over:
+            _say(log, f"ended {len(left_over)} process(es) of the attempt left running after the command exited")
+    _collect_orphans()
+    marks = oomguard_ranks.recorded(str(attempt_dir))
+    write_json_atomic(
+        attempt_dir / EXIT_STATUS,
+        {
+            "returncode": returncode,
+            "ended_at": time.time(),
+            "signals": received,
+            # The first process that recorded its failure: the attempt's cause when several did.
+            "failed_process": marks[0] if marks else None,
+            "torn_down_at": status.get("torn_down_at"),
+            "left_over": len(left_over),
+        },
+    )
     return 0
+
+
+def _wait(child: subprocess.Popen[bytes], attempt_dir: Path, ours: Any, log: IO[bytes], status: dict[str, Any]) -> int:
+    """Wait for the command; the first failed rank's mark brings the whole attempt down."""
+    while True:
+        try:
+            return child.wait(timeout=POLL_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+        if "torn_down_at" in status:
+            continue
+        marks = oomguard_ranks.recorded(str(attempt_dir))
+        if marks:
+            first = marks[0]
+            rank = f"rank {first['rank']} " if first.get("rank") is not None else ""
+            _say(log, f"{rank}(pid {first['pid']}) died of {first['error'][:300]}; stopping every process of the attempt")
+            status["torn_down_at"] = time.time()
+            processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
+
+
+def _say(log: IO[bytes], text: str) -> None:
+    log.write(f"oomguard: {text}\n".encode())
+    log.flush()
+
+
+def _become_subreaper() -> None:
+    """Orphans of the command become the shim's children rather than init's, so they stay
+    among its descendants (Linux; elsewhere the environment mark alone finds them)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _collect_orphans() -> None:
+    """Reap the orphans that died as our children (no zombies left behind)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
 
 
 if __name__ == "__main__":

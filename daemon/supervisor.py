@@ -65,10 +65,13 @@ class _Running:
     started: int | None  # the shim's start time (processes.start_ticks)
 
 
-def outcome_without_report(attempt_dir: Path, returncode: int | None) -> Outcome:
+def outcome_without_report(attempt_dir: Path, returncode: int | None, failed_process: dict[str, Any] | None = None) -> Outcome:
     """How an attempt ended whose runner wrote no outcome.json (killed, died hard, or a user
     command that does not report): an OOM its output shows (a CUDA OOM it printed, the kernel's
-    OOM killer), else what the exit status says. ``returncode`` is None when no daemon watched."""
+    OOM killer), else what the exit status says. ``returncode`` is None when no daemon watched.
+    ``failed_process`` is the first process that recorded its own death (exit.json): when it
+    died of an OOM, that error is the cause, whatever the other ranks printed as they were
+    stopped after it."""
     if returncode is None:
         fallback = Outcome(kind="crashed", message="the attempt was killed with its shim (no exit status recorded), without reporting")
     else:
@@ -77,8 +80,13 @@ def outcome_without_report(attempt_dir: Path, returncode: int | None) -> Outcome
         with open_regular(attempt_dir / LOG) as log:
             text = read_tail(log, max_bytes=OUTPUT_TAIL_BYTES)
     except OSError:
-        return fallback
+        text = ""
     verdict = read_oom(text)
+    cause = failed_process.get("error") if failed_process else None
+    if isinstance(cause, str) and read_oom(cause).kind != "not_oom":
+        verdict = read_oom(cause)
+    elif not text:
+        return fallback
     # A script's own progress line says how far it got (its checkpoints are its own).
     step = last_step_count(text) or 0
     if verdict.is_device_oom:
@@ -398,6 +406,8 @@ class Supervisor:
 
     def _holders(self, gpus: list[Any]) -> dict[int, list[Holder]]:
         holders: dict[int, list[Holder]] = {}
+        # Which attempt each process on a GPU belongs to: its mark, or the shim's group.
+        marked = processes.marks() if any(g.processes for g in gpus) else {}
         for attempt in self.store.running_attempts():
             if not attempt["gpus"]:
                 continue
@@ -405,7 +415,10 @@ class Supervisor:
             spec = JobSpec.from_dict(json.loads(job["spec"]))
             need = self._need(job, spec)
             for index in (int(i) for i in attempt["gpus"].split(",")):
-                used = sum(p.used_bytes for g in gpus if g.index == index for p in g.processes if _in_group(p.pid, attempt["pid"]))
+                used = sum(
+                    p.used_bytes for g in gpus if g.index == index for p in g.processes
+                    if marked.get(p.pid) == attempt["directory"] or _in_group(p.pid, attempt["pid"])
+                )
                 holders.setdefault(index, []).append(Holder(job["id"], spec.resources.share, need.free_bytes, used))
         return holders
 
@@ -464,12 +477,13 @@ class Supervisor:
             runner, extra_env = render(spec.command, plan, workdir, number)
             env.update(extra_env)
             cwd = Path(spec.command.cwd) if spec.command.cwd else workdir
-            if job["emulate_device_memory"] or EMULATED_GPUS_ENV in env:
-                # The script's own Python counts its tensors against the emulated capacity
-                # (jobs/bootstrap/sitecustomize.py), unchanged.
-                if job["emulate_device_memory"]:
-                    env[EMULATE_DEVICE_MEMORY_ENV] = job["emulate_device_memory"]
-                env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), env.get("PYTHONPATH", "")]))
+            # The script's Python processes, unchanged, load jobs/bootstrap/sitecustomize.py:
+            # a process that dies of an OOM (or a rank that dies) says so for the shim to end
+            # the attempt's other processes, and under emulation its tensors count against
+            # the emulated capacity.
+            if job["emulate_device_memory"]:
+                env[EMULATE_DEVICE_MEMORY_ENV] = job["emulate_device_memory"]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), env.get("PYTHONPATH", "")]))
         # The shim (as the owner, in a session of its own) writes attempt.json from its
         # standard input, runs the runner and records its exit status for any daemon to read.
         try:
@@ -556,9 +570,14 @@ class Supervisor:
             # The shim is gone; whatever of its group is left (a runner whose shim was killed)
             # must not go on writing into the workdir beside the next attempt.
             _kill_group(running.pid)
+            # Ranks that left the group (a session of their own) and outlived the shim.
+            processes.send(processes.marked_with(attempt["directory"]), signal.SIGKILL)
         status = read_json(_attempt_files(attempt) / EXIT_STATUS)
-        returncode = status.get("returncode") if isinstance(status, dict) and isinstance(status.get("returncode"), int) else None
-        self._finish_attempt(attempt, returncode, shim_recorded=status is not None or running.process is not None)
+        if not isinstance(status, dict):
+            status = None
+        returncode = status.get("returncode") if status and isinstance(status.get("returncode"), int) else None
+        failed = status.get("failed_process") if status and isinstance(status.get("failed_process"), dict) else None
+        self._finish_attempt(attempt, returncode, shim_recorded=status is not None or running.process is not None, failed_process=failed)
 
     def _check_stalled(self, attempt: dict[str, Any]) -> None:
         heartbeat = _attempt_files(attempt) / HEARTBEAT
@@ -589,12 +608,18 @@ class Supervisor:
         pid, started = attempt["pid"], attempt["pid_started"]
         if pid is None or not processes.is_running(pid, started):
             return  # not started yet, or gone (its pid may belong to someone else by now)
+        if signum == signal.SIGKILL:
+            # Nothing handles SIGKILL: the ranks in sessions of their own are killed here, not
+            # by the shim (SIGTERM reaches them through the shim).
+            processes.send(processes.of_attempt(pid, attempt["directory"]), signum)
         try:
             os.killpg(pid, signum)
         except ProcessLookupError:
             pass
 
-    def _finish_attempt(self, attempt: dict[str, Any], returncode: int | None, shim_recorded: bool = True) -> None:
+    def _finish_attempt(
+        self, attempt: dict[str, Any], returncode: int | None, shim_recorded: bool = True, failed_process: dict[str, Any] | None = None,
+    ) -> None:
         job = self.store.job(attempt["job_id"])
         data = read_json(_attempt_files(attempt) / OUTCOME)
         outcome: Outcome | None = None
@@ -608,7 +633,7 @@ class Supervisor:
             # machine restarted under it: not the job's fault, and no crash retry is used up.
             outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
         if outcome is None:
-            outcome = outcome_without_report(_attempt_files(attempt), returncode)
+            outcome = outcome_without_report(_attempt_files(attempt), returncode, failed_process)
         if outcome.kind == "cancelled":
             outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
         # How the attempt ended and what the job does next are one change: a daemon that dies

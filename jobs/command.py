@@ -10,6 +10,7 @@ placeholders stand for the plan's knobs, and arguments to add only when a knob i
             "--resume_from_checkpoint=latest"]
     cwd = "."                                # default: the job's workdir
     env = { HF_HUB_OFFLINE = "1" }
+    processes = 1                            # training processes it starts ({processes})
     [command.when]
     gradient_checkpointing = ["--gradient_checkpointing"]
     optimizer_8bit = ["--use_8bit_adam"]
@@ -38,6 +39,7 @@ PLACEHOLDERS: dict[str, str] = {
     "micro_batch": "samples per forward/backward on each process",
     "grad_accum": "micro-batches accumulated per optimizer step",
     "batch_size": "the effective batch (micro_batch x grad_accum x processes)",
+    "processes": "the training processes the command starts ([command] processes)",
     "mixed_precision": "no, bf16 or fp16",
     "attention": "default or sliced",
     "lora_rank": "the LoRA rank (only with [command.when] lora)",
@@ -78,9 +80,15 @@ class CommandSpec:
     cwd: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     when: tuple[tuple[str, tuple[str, ...]], ...] = field(default_factory=tuple)
+    # How many training processes the command starts (accelerate launch --num_processes,
+    # torchrun --nproc_per_node): the plan's batch is split over them.
+    processes: int = 1
 
     def to_dict(self) -> dict[str, Any]:
-        return {"argv": list(self.argv), "cwd": self.cwd, "env": dict(self.env), "when": {k: list(v) for k, v in self.when}}
+        return {
+            "argv": list(self.argv), "cwd": self.cwd, "env": dict(self.env), "when": {k: list(v) for k, v in self.when},
+            "processes": self.processes,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> CommandSpec:
@@ -89,6 +97,7 @@ class CommandSpec:
             cwd=data.get("cwd"),
             env=tuple(sorted((data.get("env") or {}).items())),
             when=tuple(sorted((k, tuple(v)) for k, v in (data.get("when") or {}).items())),
+            processes=int(data.get("processes", 1)),
         )
 
     def placeholders(self) -> set[str]:
@@ -149,6 +158,7 @@ def values(plan: Plan, workdir: Path, attempt: int) -> dict[str, str]:
         "micro_batch": str(plan.micro_batch),
         "grad_accum": str(plan.grad_accum),
         "batch_size": str(plan.batch_size),
+        "processes": str(plan.world_size),
         "mixed_precision": plan.mixed_precision,
         "attention": plan.attention,
         "lora_rank": str(plan.lora_rank or 0),
@@ -168,12 +178,16 @@ def render(command: CommandSpec, plan: Plan, workdir: Path, attempt: int) -> tup
     return argv, env
 
 
-# The progress line of diffusers' example scripts (tqdm "Steps:  45%|####5     | 9/20 [...]")
-# and of scripts that print "Steps: 9/20" at the end.
-_STEPS = re.compile(r"Steps:[^\n\r]*?(\d+)/(\d+)")
+# The progress lines of diffusers' example scripts: tqdm's "Steps:  45%|####5     | 9/20 [...]"
+# (train_text_to_image_lora.py, DreamBooth, scripts that print "Steps: 9/20"), and the
+# "step=9" of the logs train_unconditional.py puts after its "Epoch 3" bar.
+_STEPS = re.compile(r"Steps:[^\n\r]*?(\d+)/\d+|\bstep=(\d+)")
 
 
 def last_step_count(log_text: str) -> int | None:
     """The optimizer step a script's log last reported, when it reports one."""
     found = _STEPS.findall(log_text)
-    return int(found[-1][0]) if found else None
+    if not found:
+        return None
+    bar, logged = found[-1]
+    return int(bar or logged)

@@ -139,7 +139,7 @@ _TRAIN_KEYS = (
 )
 _LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe")
 _RESOURCES_KEYS = ("gpus", "share", "memory")
-_COMMAND_KEYS = ("argv", "cwd", "env", "when")
+_COMMAND_KEYS = ("argv", "cwd", "env", "when", "processes")
 _NOTIFY_KEYS = ("urls", "tags", "events")
 # What a job can be notified of (daemon/notifier.py); `escalated` is opt-in.
 NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "escalated", "stalled")
@@ -289,7 +289,7 @@ class TrainSpec:
 
     batch_size: int
     max_steps: int
-    learning_rate: float
+    learning_rate: float | None  # None only for a command job (its script has its own)
     seed: int = 0
     mixed_precision: MixedPrecision = "no"
     # None means the default, max(1, max_steps // 10), filled in on construction.
@@ -304,7 +304,8 @@ class TrainSpec:
     def __post_init__(self) -> None:
         if self.checkpoint_every_steps is None:
             object.__setattr__(self, "checkpoint_every_steps", max(1, self.max_steps // 10))
-        object.__setattr__(self, "learning_rate", float(self.learning_rate))
+        if self.learning_rate is not None:
+            object.__setattr__(self, "learning_rate", float(self.learning_rate))
         object.__setattr__(self, "weight_decay", float(self.weight_decay))
         if self.checkpoint_every_seconds is not None:
             object.__setattr__(self, "checkpoint_every_seconds", float(self.checkpoint_every_seconds))
@@ -403,7 +404,12 @@ class JobSpec:
     def initial_plan(self) -> Plan:
         """The plan the first attempt runs with: the whole batch at once unless
         ``train.micro_batch`` says otherwise."""
-        return Plan.initial(self.train.batch_size, self.train.mixed_precision, self.train.micro_batch)
+        if self.command is None:
+            return Plan.initial(self.train.batch_size, self.train.mixed_precision, self.train.micro_batch)
+        # A script runs micro_batch x grad_accum samples on each of its processes.
+        return Plan.initial(
+            self.train.batch_size, self.train.mixed_precision, self.train.micro_batch, world_size=self.command.processes, even_slices=True,
+        )
 
     def policy(self) -> Policy:
         """What the doctor may do for this job."""
@@ -431,13 +437,19 @@ class JobSpec:
             "workdir": self.workdir,
             "data": self.data.to_dict() if self.data is not None else None,
             "model": self.model.to_dict() if self.model is not None else None,
-            "train": self.train.to_dict(),
+            "train": self._train_dict(),
             "ladder": self.ladder.to_dict(),
             "resources": self.resources.to_dict(),
             "notify": self.notify.to_dict(),
             "command": self.command.to_dict() if self.command is not None else None,
             "source_path": self.source_path,
         }
+
+    def _train_dict(self) -> dict[str, Any]:
+        train = self.train.to_dict()
+        if self.command is not None:  # the keys a job file of a command job may hold
+            train = {key: value for key, value in train.items() if key not in _SCRIPT_OWNED_TRAIN_KEYS}
+        return train
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
@@ -794,7 +806,15 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
         model = _parse_model(ctx, model_section, resolution=data.resolution)
     train_section = top.table("train", required=True)
     assert train_section is not None
+    if command is not None:
+        for owned in _SCRIPT_OWNED_TRAIN_KEYS:
+            if train_section.has(owned):
+                raise train_section.fail(owned, "a command job's script has its own; remove it here (pass it in [command] argv)")
     train = _parse_train(ctx, train_section)
+    if command is not None:
+        _check_command_batch(train_section, train, command.processes)
+    elif train.learning_rate is None:
+        raise train_section.fail("learning_rate", "required key is missing (e.g. learning_rate = 1e-4)")
     ladder_section = top.table("ladder", required=False)
     ladder = _parse_ladder(ctx, ladder_section) if ladder_section is not None else LadderSpec()
     resources_section = top.table("resources", required=False)
@@ -948,7 +968,7 @@ def _parse_model(ctx: _Ctx, s: _Section, resolution: int | None) -> ModelSpec:
 def _parse_train(ctx: _Ctx, s: _Section) -> TrainSpec:
     batch_size = s.int("batch_size", minimum=1)
     max_steps = s.int("max_steps", minimum=1)
-    learning_rate = s.number("learning_rate", gt=0.0)
+    learning_rate = s.number("learning_rate", gt=0.0, default=None)
     seed = s.int("seed", minimum=0, default=0)
     mixed_precision = s.choice("mixed_precision", MIXED_PRECISIONS, default="no")
     checkpoint_every_steps = s.int("checkpoint_every_steps", minimum=1, default=max(1, max_steps // 10))
@@ -1061,7 +1081,8 @@ def _parse_command(ctx: _Ctx, s: _Section) -> CommandSpec:
             if not isinstance(arguments, list) or not all(isinstance(a, str) and a for a in arguments):
                 raise when_section.fail(knob, f"expected a list of arguments, found {_describe(arguments)}")
             when[knob] = tuple(arguments)
-    command = CommandSpec(argv=tuple(argv), cwd=cwd, env=tuple(sorted(env.items())), when=tuple(sorted(when.items())))
+    processes = s.int("processes", minimum=1, maximum=1024, default=1)
+    command = CommandSpec(argv=tuple(argv), cwd=cwd, env=tuple(sorted(env.items())), when=tuple(sorted(when.items())), processes=processes)
     try:
         check(command)
     except CommandError as error:
@@ -1071,6 +1092,34 @@ def _parse_command(ctx: _Ctx, s: _Section) -> CommandSpec:
         if problem:
             raise s.fail("argv", problem)
     return command
+
+
+# [train] keys of the built-in trainer only: a command's script decides these itself.
+_SCRIPT_OWNED_TRAIN_KEYS = (
+    "learning_rate", "seed", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "lr_warmup_steps",
+    "num_train_timesteps", "weight_decay",
+)
+
+
+def _check_command_batch(s: _Section, train: TrainSpec, processes: int) -> None:
+    """A command's script runs micro_batch x grad_accum samples on each of its processes per
+    optimizer step: train.batch_size splits evenly over the processes, and a first
+    micro-batch divides each process's share."""
+    if train.batch_size % processes:
+        raise s.fail(
+            "batch_size",
+            f"{train.batch_size} cannot be split evenly over [command] processes = {processes}; "
+            f"make it a multiple of {processes} (the batch of all processes together)",
+        )
+    per_process = train.batch_size // processes
+    if train.micro_batch is not None and (train.micro_batch > per_process or per_process % train.micro_batch):
+        divisors = [size for size in range(1, per_process + 1) if per_process % size == 0]
+        raise s.fail(
+            "micro_batch",
+            f"expected a divisor of {per_process} (train.batch_size / [command] processes: the script runs micro_batch x "
+            f"grad_accum samples), one of {', '.join(map(str, divisors[:12]))}{' ...' if len(divisors) > 12 else ''}; found {train.micro_batch}",
+        )
+
 
 
 def _program_problem(program: str, cwd: Path) -> str | None:

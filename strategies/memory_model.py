@@ -297,7 +297,7 @@ class MemoryModel:
 
     def largest_micro_batch(self, shape: Plan, capacity: int) -> int | None:
         """The largest micro-batch of ``shape`` (with its batch size) that fits ``capacity``."""
-        for size in range(shape.per_rank_batch, 0, -1):
+        for size in reversed(shape.micro_batch_choices()):
             if self.fits(shape.replace(micro_batch=size), capacity):
                 return size
         return None

@@ -2,7 +2,9 @@
 
 Exact: the effective batch is kept, and the trainer weights each slice's loss by its share of
 samples, so uneven splits (16 -> 6, 6, 4 never happens here, but 10 -> 5, 5 -> 3, 3, 3, 1 does)
-give the same gradient up to float rounding.
+give the same gradient up to float rounding. A script that cannot weigh slices (a command job:
+``--train_batch_size`` x ``--gradient_accumulation_steps`` samples) gets only micro-batches that
+divide its batch (``Plan.even_slices``): 12 -> 6 -> 3 -> 2 -> 1.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from oomguard.strategies.rung import Rung
 def step(plan: Plan) -> Plan | None:
     if plan.micro_batch <= 1:
         return None
-    return plan.replace(micro_batch=(plan.micro_batch + 1) // 2)
+    # Half (rounded up), or for a plan of even slices the largest divisor of the batch below it.
+    smaller = [size for size in plan.micro_batch_choices() if size <= (plan.micro_batch + 1) // 2]
+    return plan.replace(micro_batch=smaller[-1])
 
 
 def describe(old: Plan, new: Plan) -> str:

@@ -40,6 +40,10 @@ class Plan:
     optimizer: Optimizer = "adamw"
     lora_rank: int | None = None
     base_quantization: BaseQuantization | None = None
+    # The trainer runs grad_accum slices of micro_batch each and cannot weigh a smaller last
+    # slice (a user's script given --train_batch_size and --gradient_accumulation_steps):
+    # only micro-batches that divide the per-rank batch keep the effective batch.
+    even_slices: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1 or self.world_size < 1:
@@ -48,11 +52,18 @@ class Plan:
             raise ValueError(f"batch_size {self.batch_size} is not divisible by world_size {self.world_size}")
         if not 1 <= self.micro_batch <= self.per_rank_batch:
             raise ValueError(f"micro_batch {self.micro_batch} must be in 1..{self.per_rank_batch}")
+        if self.even_slices and self.per_rank_batch % self.micro_batch:
+            raise ValueError(f"micro_batch {self.micro_batch} must divide the per-rank batch {self.per_rank_batch} (even slices)")
 
     @classmethod
-    def initial(cls, batch_size: int, mixed_precision: MixedPrecision = "no", micro_batch: int | None = None) -> Plan:
-        """The plan a job starts with: the whole batch at once, nothing saved."""
-        return cls(batch_size=batch_size, micro_batch=micro_batch or batch_size, mixed_precision=mixed_precision)
+    def initial(
+        cls, batch_size: int, mixed_precision: MixedPrecision = "no", micro_batch: int | None = None, world_size: int = 1, even_slices: bool = False,
+    ) -> Plan:
+        """The plan a job starts with: each rank's whole share of the batch at once, nothing saved."""
+        return cls(
+            batch_size=batch_size, micro_batch=micro_batch or batch_size // world_size, world_size=world_size, mixed_precision=mixed_precision,
+            even_slices=even_slices,
+        )
 
     @property
     def per_rank_batch(self) -> int:
@@ -61,6 +72,11 @@ class Plan:
     @property
     def grad_accum(self) -> int:
         return math.ceil(self.per_rank_batch / self.micro_batch)
+
+    def micro_batch_choices(self) -> list[int]:
+        """The micro-batches this plan's batch may be sliced into, smallest first."""
+        sizes = range(1, self.per_rank_batch + 1)
+        return [size for size in sizes if not self.even_slices or self.per_rank_batch % size == 0]
 
     def micro_batch_sizes(self) -> list[int]:
         """The slice sizes of one rank's batch, e.g. batch 10, micro 4 -> [4, 4, 2]."""
@@ -83,6 +99,8 @@ class Plan:
     def short(self) -> str:
         """One line for tables and logs, naming only what differs from the defaults."""
         parts = [f"mb={self.micro_batch}x{self.grad_accum}"]
+        if self.world_size > 1:
+            parts.append(f"{self.world_size} processes")
         if self.allocator:
             parts.append("expandable")
         if self.gradient_checkpointing:

@@ -72,7 +72,7 @@ def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) 
                 frontier.append(new)
     if "micro_batch" not in allowed:
         return sorted(shapes, key=_order)
-    plans = {shape.replace(micro_batch=size) for shape in shapes for size in range(1, start.per_rank_batch + 1)}
+    plans = {shape.replace(micro_batch=size) for shape in shapes for size in start.micro_batch_choices()}
     return sorted(plans, key=_order)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from oomguard.jobs.command import CommandError, CommandSpec, check, exposed_rungs, render
-from oomguard.jobs.spec import JobFileError, JobSpec, parse_job_text
+from oomguard.jobs.spec import JobFileError, JobSpec, load_job_file, parse_job_text
 from oomguard.strategies.plan import Plan
 
 JOB = """\
@@ -24,7 +25,6 @@ optimizer_8bit = "--use_8bit_adam"
 [train]
 batch_size = 16
 max_steps = 10
-learning_rate = 1e-4
 """
 ARGV = ["python3", "-c", "pass", "--train_batch_size={micro_batch}", "--gradient_accumulation_steps={grad_accum}", "--mixed_precision={mixed_precision}", "--output_dir={workdir}/out"]
 
@@ -139,9 +139,72 @@ def test_a_script_that_imports_torch_runs_on_the_emulated_device(tmp_path: Path)
         ("Steps:  45%|####5     | 9/20 [00:03<00:04, 2.4it/s, loss=0.1]\rSteps:  50%|#####     | 10/20 [00:03<00:04]", 10),
         ("step 19 loss 0.9\nSteps: 20/20\n", 20),
         ("no progress here\n", None),
+        # train_unconditional.py: an "Epoch N" bar with its logs (step=N) as the postfix
+        ("Epoch 2:  40%|####      | 4/10 [00:02<00:03, ema_decay=0.9, loss=0.05, lr=0.0001, step=24]\r", 24),
+        # train_text_to_image_lora.py: step_loss is not a step
+        ("Steps:  30%|###       | 3/10 [00:01<00:02, lr=0.0001, step_loss=0.2]", 3),
     ],
 )
 def test_the_last_step_count_of_a_script_log(log, step):
     from oomguard.jobs.command import last_step_count
 
     assert last_step_count(log) == step
+
+
+EXAMPLES = Path(__file__).parents[1] / "jobs" / "examples"
+
+
+def test_the_diffusers_example_jobs_pass_their_knobs_to_the_scripts(monkeypatch):
+    # `accelerate` is found the way `oomguard submit` finds it: on PATH.
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    unconditional = load_job_file(EXAMPLES / "diffusers_train_unconditional.toml")
+    assert unconditional.policy().allow == ("allocator", "micro_batch")
+    lora = load_job_file(EXAMPLES / "diffusers_train_text_to_image_lora.toml")
+    assert lora.policy().allow == ("allocator", "micro_batch", "checkpointing", "optimizer_8bit")
+    plan = lora.initial_plan()
+    assert (plan.batch_size, plan.micro_batch, plan.mixed_precision, plan.even_slices) == (8, 8, "fp16", True)
+    argv, env = render(lora.command, plan.replace(micro_batch=2, gradient_checkpointing=True, optimizer="adamw8bit"), Path("/w"), 3)
+    assert argv[:2] == ["accelerate", "launch"] and "train_text_to_image_lora.py" in argv
+    for expected in ("--train_batch_size=2", "--gradient_accumulation_steps=4", "--mixed_precision=fp16", "--output_dir=/w/sd15-lora",
+                     "--resume_from_checkpoint=latest", "--gradient_checkpointing", "--use_8bit_adam"):
+        assert expected in argv
+    assert env == {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    assert "--gradient_checkpointing" not in render(lora.command, plan, Path("/w"), 1)[0]
+
+
+def multi_process_job(processes: int, train: str) -> JobSpec:
+    text = JOB.format(argv=json.dumps([*ARGV, "--num_processes={processes}"])).replace("[command.when]", f"processes = {processes}\n[command.when]")
+    return parse_job_text(text.replace("batch_size = 16\n", train), "job.toml", base_dir=Path.cwd())
+
+
+def test_a_multi_process_command_splits_the_batch_over_its_processes():
+    spec = multi_process_job(2, "batch_size = 16\n")
+    plan = spec.initial_plan()
+    assert (plan.world_size, plan.micro_batch, plan.grad_accum) == (2, 8, 1)
+    argv, _ = render(spec.command, plan.replace(micro_batch=2), Path("/w"), 1)
+    assert {"--train_batch_size=2", "--gradient_accumulation_steps=4", "--num_processes=2"} <= set(argv)
+    assert JobSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+@pytest.mark.parametrize(
+    ("processes", "train", "expected"),
+    [
+        (3, "batch_size = 16\n", "train.batch_size: 16 cannot be split evenly over [command] processes = 3; make it a multiple of 3"),
+        (2, "batch_size = 16\nmicro_batch = 3\n", "train.micro_batch: expected a divisor of 8 (train.batch_size / [command] processes"),
+        (1, "batch_size = 16\nmicro_batch = 5\n", "one of 1, 2, 4, 8, 16; found 5"),
+        (0, "batch_size = 16\n", "command.processes: expected an integer in 1..1024, found 0"),
+        (1, "batch_size = 16\nlearning_rate = 1e-4\n", "train.learning_rate: a command job's script has its own; remove it here (pass it in [command] argv)"),
+        (1, "batch_size = 16\nseed = 3\n", "train.seed: a command job's script has its own"),
+    ],
+)
+def test_bad_batch_settings_of_a_command_job_are_refused(processes, train, expected):
+    with pytest.raises(JobFileError) as caught:
+        multi_process_job(processes, train)
+    assert expected in str(caught.value)
+
+
+def test_a_built_in_job_still_needs_its_learning_rate():
+    text = (EXAMPLES / "quickstart.toml").read_text()
+    without = "\n".join(line for line in text.splitlines() if not line.startswith("learning_rate"))
+    with pytest.raises(JobFileError, match=r"train.learning_rate: required key is missing \(e.g. learning_rate = 1e-4\)"):
+        parse_job_text(without, "quickstart.toml", base_dir=EXAMPLES)

@@ -139,6 +139,7 @@ ROUND_TRIP_PLANS = [
         lora_rank=16,
         base_quantization="nf4",
     ),
+    Plan(batch_size=24, micro_batch=4, world_size=2, even_slices=True),
 ]
 
 
@@ -168,7 +169,7 @@ def test_from_dict_validates():
         (Plan(batch_size=16, micro_batch=16), "mb=16x1"),
         (Plan(batch_size=16, micro_batch=4), "mb=4x4"),
         (Plan(batch_size=10, micro_batch=3), "mb=3x4"),
-        (Plan(batch_size=12, micro_batch=5, world_size=2), "mb=5x2"),
+        (Plan(batch_size=12, micro_batch=5, world_size=2), "mb=5x2 2 processes"),
         (Plan(batch_size=16, micro_batch=16, allocator=EXPANDABLE_SEGMENTS), "mb=16x1 expandable"),
         (Plan(batch_size=16, micro_batch=2, gradient_checkpointing=True), "mb=2x8 ckpt"),
         (Plan(batch_size=4, micro_batch=4, attention="sliced"), "mb=4x1 attn=sliced"),
@@ -177,7 +178,7 @@ def test_from_dict_validates():
         (Plan(batch_size=4, micro_batch=4, optimizer="adamw8bit"), "mb=4x1 adamw8bit"),
         (Plan(batch_size=4, micro_batch=4, lora_rank=8), "mb=4x1 lora=8"),
         (Plan(batch_size=4, micro_batch=4, lora_rank=8, base_quantization="int8"), "mb=4x1 lora=8 base=int8"),
-        (ROUND_TRIP_PLANS[-1], "mb=4x2 expandable ckpt attn=sliced offload=optimizer bf16 adamw8bit lora=16 base=nf4"),
+        (ROUND_TRIP_PLANS[-2], "mb=4x2 4 processes expandable ckpt attn=sliced offload=optimizer bf16 adamw8bit lora=16 base=nf4"),
     ],
 )
 def test_short(plan, expected):
@@ -193,3 +194,13 @@ def test_short_tells_apart_the_plans_a_ladder_walks_through():
     ]
     assert len({p.short() for p in plans}) == len(plans)
     assert all("\n" not in p.short() for p in plans)
+
+
+def test_even_slices_only_take_micro_batches_that_divide_each_ranks_batch():
+    plan = Plan.initial(24, world_size=2, even_slices=True)
+    assert (plan.micro_batch, plan.grad_accum) == (12, 1)
+    assert plan.micro_batch_choices() == [1, 2, 3, 4, 6, 12]
+    with pytest.raises(ValueError, match="must divide the per-rank batch 12"):
+        plan.replace(micro_batch=5)
+    # A trainer that weighs slices takes any size.
+    assert Plan.initial(24, world_size=2).micro_batch_choices() == list(range(1, 13))

@@ -80,6 +80,23 @@ def test_micro_batch_steps(batch_size, world_size, start, expected):
     assert [p.grad_accum for p in plans] == sorted(p.grad_accum for p in plans)
 
 
+@pytest.mark.parametrize(
+    ("batch_size", "world_size", "expected"),
+    [
+        (100, 1, [100, 50, 25, 10, 5, 2, 1]),
+        (7, 1, [7, 1]),
+        (24, 2, [12, 6, 3, 2, 1]),
+        (1024, 2, [512, 256, 128, 64, 32, 16, 8, 4, 2, 1]),
+    ],
+)
+def test_micro_batch_steps_for_even_slices_keep_the_batch_exact(batch_size, world_size, expected):
+    # A script runs micro_batch x grad_accum samples per process: no smaller last slice.
+    plans = walk(micro_batch.step, Plan.initial(batch_size, world_size=world_size, even_slices=True))
+    assert [p.micro_batch for p in plans] == expected
+    for plan in plans:
+        assert plan.micro_batch * plan.grad_accum * world_size == batch_size
+
+
 def test_micro_batch_describe_names_both_sides():
     old = Plan(batch_size=10, micro_batch=5)
     new = micro_batch.step(old)

@@ -13,12 +13,18 @@ from pathlib import Path
 
 from oomguard.daemon import processes
 from oomguard.daemon.shim import EXIT_STATUS
+from oomguard.jobs.command import BOOTSTRAP_DIR
 
 
-def start_shim(attempt_dir: Path, *command: str, config: str = '{"number": 1}') -> subprocess.Popen[bytes]:
+SCRIPTS = Path(__file__).parent / "scripts"
+# As the daemon starts a command job: its Python processes load the bootstrap.
+COMMAND_JOB_ENV = {**os.environ, "PYTHONPATH": str(BOOTSTRAP_DIR)}
+
+
+def start_shim(attempt_dir: Path, *command: str, config: str = '{"number": 1}', env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
         [sys.executable, "-m", "oomguard.daemon.shim", str(attempt_dir), "--", *command],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env,
     )
     assert process.stdin is not None
     process.stdin.write(config.encode())
@@ -92,3 +98,83 @@ def test_attempt_files_are_read_only_as_regular_files_never_through_a_link(tmp_p
     assert read_json(tmp_path / "exit.json") is None
     assert read_json(tmp_path / "missing.json") is None
     assert read_json(tmp_path / "good.json") == {"returncode": 0}
+
+
+def wait_for_text(path: Path, text: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in (path.read_text() if path.exists() else ""):
+        assert time.monotonic() < deadline, f"{text!r} never appeared in {path}"
+        time.sleep(0.05)
+
+
+def test_a_rank_that_runs_out_of_memory_brings_every_process_of_the_attempt_down(tmp_path: Path):
+    # The launcher waits for every rank; rank 0 hangs while exiting after its OOM; rank 1
+    # waits forever and ignores SIGTERM. Left alone, nothing would end for 10 minutes.
+    attempt = tmp_path / "ranks"
+    shim = start_shim(attempt, sys.executable, str(SCRIPTS / "naive_launcher.py"), "2", sys.executable, str(SCRIPTS / "hanging_rank.py"), env=COMMAND_JOB_ENV)
+    assert shim.wait(timeout=60) == 0
+    status = json.loads((attempt / EXIT_STATUS).read_text())
+    failed = status["failed_process"]
+    assert failed["rank"] == "0" and failed["world_size"] == 2 and failed["out_of_memory"] is True
+    assert failed["error"].startswith("OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB")
+    assert status["torn_down_at"] - failed["at"] < 1.0  # seen at the next look (every 0.2 s)
+    assert status["ended_at"] - failed["at"] < 10.0  # SIGKILL after 3 s for what ignores SIGTERM
+    assert status["returncode"] != 0
+    assert processes.marked_with(str(attempt)) == set()
+    log = (attempt / "output.log").read_text()
+    assert "oomguard: rank 0 (pid " in log and "stopping every process of the attempt" in log
+    assert "Traceback" in log and "OutOfMemoryError: CUDA out of memory" in log  # Python still printed it
+
+
+def test_an_error_the_script_catches_brings_nothing_down(tmp_path: Path):
+    attempt = tmp_path / "caught"
+    script = (
+        "class OutOfMemoryError(RuntimeError): pass\n"
+        "try:\n    raise OutOfMemoryError('CUDA out of memory. Tried to allocate 2.00 MiB')\n"
+        "except OutOfMemoryError:\n    print('retrying smaller', flush=True)\n"
+    )
+    shim = start_shim(attempt, sys.executable, "-c", script, env=COMMAND_JOB_ENV)
+    assert shim.wait(timeout=30) == 0
+    status = json.loads((attempt / EXIT_STATUS).read_text())
+    assert status["returncode"] == 0 and status["failed_process"] is None and status["torn_down_at"] is None
+
+
+def test_an_uncaught_error_in_a_single_process_is_recorded_only_when_it_is_an_oom(tmp_path: Path):
+    shim = start_shim(tmp_path / "plain", sys.executable, "-c", "raise ValueError('a bug')", env=COMMAND_JOB_ENV)
+    assert shim.wait(timeout=30) == 0
+    assert json.loads((tmp_path / "plain" / EXIT_STATUS).read_text())["failed_process"] is None
+    shim = start_shim(tmp_path / "oom", sys.executable, "-c", "raise RuntimeError('CUDA error: out of memory')", env=COMMAND_JOB_ENV)
+    assert shim.wait(timeout=30) == 0
+    failed = json.loads((tmp_path / "oom" / EXIT_STATUS).read_text())["failed_process"]
+    assert failed["rank"] is None and failed["error"] == "RuntimeError: CUDA error: out of memory"
+
+
+def test_processes_the_command_leaves_behind_are_ended_with_the_attempt(tmp_path: Path):
+    attempt = tmp_path / "orphans"
+    script = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        "print('left', child.pid, flush=True)\n"
+    )
+    shim = start_shim(attempt, sys.executable, "-c", script)
+    assert shim.wait(timeout=30) == 0
+    status = json.loads((attempt / EXIT_STATUS).read_text())
+    assert status["returncode"] == 0 and status["left_over"] == 1
+    left = int((attempt / "output.log").read_text().split("left ")[1].split()[0])
+    assert processes.start_ticks(left) is None
+    assert "ended 1 process(es) of the attempt left running" in (attempt / "output.log").read_text()
+
+
+def test_sigterm_to_the_shims_group_reaches_ranks_in_sessions_of_their_own(tmp_path: Path):
+    attempt = tmp_path / "cancelled"
+    rank = "import os, time\nprint('rank', os.environ['RANK'], 'up', flush=True)\ntime.sleep(600)"
+    shim = start_shim(attempt, sys.executable, str(SCRIPTS / "naive_launcher.py"), "2", sys.executable, "-c", rank)
+    for number in (0, 1):
+        wait_for_text(attempt / "output.log", f"rank {number} up")
+    started = time.monotonic()
+    os.killpg(shim.pid, signal.SIGTERM)  # what the daemon does to cancel
+    assert shim.wait(timeout=30) == 0
+    assert time.monotonic() - started < 5
+    status = json.loads((attempt / EXIT_STATUS).read_text())
+    assert status["signals"] == ["SIGTERM"] and status["left_over"] == 0
+    assert processes.marked_with(str(attempt)) == set()

@@ -137,3 +137,30 @@ def test_a_job_that_waits_too_long_for_a_gpu_is_reported_once(tmp_path: Path) ->
     assert kinds.count("waiting") == 1 and kinds.count("stalled") == 1
     (stalled,) = [e for e in store.events(job_id) if e["kind"] == "stalled"]
     assert stalled["message"].startswith("queued and waiting for 0 s: needs 1 GPU: GPU 0 has 4.0 MiB free of 64.0 MiB")
+
+
+def test_ranks_that_outlive_a_killed_shim_are_killed_when_the_attempt_is_collected(tmp_path: Path) -> None:
+    # The shim was SIGKILLed (it cannot pass anything on); a rank torchrun started in a
+    # session of its own still runs, marked with the attempt's directory.
+    state, store = state_and_store(tmp_path)
+    supervisor = Supervisor(state, store)
+    job_id = supervisor.add_job(tiny_job(), Account.current())
+    attempt_dir = Path(store.job(job_id)["workdir"]) / "attempts" / "001"
+    attempt_dir.mkdir(parents=True)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
+        env={processes.ATTEMPT_DIR_ENV: str(attempt_dir), "PATH": "/usr/bin:/bin"},
+    )
+    try:
+        pid, started = ended_process()
+        store.add_attempt(job_id=job_id, number=1, plan=store.job(job_id)["plan"], directory=str(attempt_dir), pid=pid, pid_started=started, started_at=1.0)
+        store.update_job(job_id, state="running")
+        assert processes.marked_with(str(attempt_dir)) == {rank.pid}
+        again = Supervisor(state, store)
+        again.stopping = True  # collect only; start nothing
+        again.tick()
+        assert rank.wait(timeout=10) == -9
+        assert store.attempts(job_id)[0]["ended_at"] is not None
+    finally:
+        rank.kill()
+        rank.wait()

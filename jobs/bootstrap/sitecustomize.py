@@ -1,10 +1,19 @@
 """Loaded at start by every Python process of a command job: oomguard puts this folder first
-on PYTHONPATH. With an emulated capacity set (OOMGUARD_EMULATE_DEVICE_MEMORY, or an emulated
-GPU), the script's tensors count against it from its first ``import torch``
-(oomguard.jobs.script_memory). Then the sitecustomize this one hides, if any, runs as before."""
+on PYTHONPATH. It runs in the user's own interpreter, so it needs nothing but the standard
+library unless device memory is emulated (tests, where the script runs on oomguard's Python).
+
+- A process that dies of an out-of-memory error, or a rank of a multi-process job that dies
+  of any error, says so for the shim to bring the attempt's other processes down
+  (oomguard_ranks.py).
+- With an emulated capacity set (OOMGUARD_EMULATE_DEVICE_MEMORY, or an emulated GPU), the
+  script's tensors count against it from its first ``import torch``
+  (oomguard.jobs.script_memory).
+- Then the sitecustomize this one hides, if any, runs as before."""
 
 import os
 import sys
+
+import oomguard_ranks
 
 
 def _run_the_hidden_sitecustomize() -> None:
@@ -19,6 +28,7 @@ def _run_the_hidden_sitecustomize() -> None:
             return
 
 
+oomguard_ranks.install()
 if os.environ.get("OOMGUARD_EMULATE_DEVICE_MEMORY") or os.environ.get("OOMGUARD_EMULATED_GPUS"):
     from oomguard.jobs.script_memory import install_when_torch_loads
 

@@ -3,12 +3,15 @@ the daemon with an emulated cap that drops mid-run."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from oomguard.daemon import processes
+from oomguard.daemon.shim import EXIT_STATUS
 from tests.e2e.conftest import oomguard
 
 pytestmark = pytest.mark.slow
@@ -31,7 +34,6 @@ gradient_checkpointing = ["--gradient_checkpointing"]
 [train]
 batch_size = 1024
 max_steps = {STEPS}
-learning_rate = 1e-3
 """
     )
     # 64 MiB for the first 7 optimizer steps of each process, then 6 MiB: the full batch of
@@ -56,3 +58,52 @@ learning_rate = 1e-3
         capture_output=True, text=True, timeout=120,
     )
     assert straight.returncode == 0 and straight.stdout.rstrip().endswith(f"Steps: {STEPS}/{STEPS}")
+
+
+def test_a_two_process_accelerate_job_is_torn_down_when_one_rank_runs_out_and_relaunched_with_the_same_plan_on_both(
+    tmp_path: Path, daemon_factory
+) -> None:
+    # `accelerate launch --multi_gpu --num_processes 2` starts torchrun's two ranks (gloo on
+    # the CPU: the script's Accelerator(cpu=True)); accelerate 1.x's `launch --cpu` starts a
+    # single process unless it is given an MPI hostfile. Only the main process keeps EMA
+    # weights, so only rank 0 runs out of memory; rank 1 then waits in its gradient all-reduce.
+    accelerate = Path(sys.executable).parent / "accelerate"
+    steps = 12
+    job = tmp_path / "ranks.toml"
+    job.write_text(
+        f"""name = "two-ranks"
+trainer = "command"
+[command]
+argv = ["{accelerate}", "launch", "--multi_gpu", "--num_processes={{processes}}", "--num_machines=1", "--mixed_precision=no",
+        "--dynamo_backend=no", "{SCRIPT}", "--train_batch_size={{micro_batch}}", "--gradient_accumulation_steps={{grad_accum}}",
+        "--max_train_steps={steps}", "--checkpointing_steps=3", "--output_dir={{workdir}}/out", "--resume_from_checkpoint=latest", "--use_ema"]
+processes = 2
+[train]
+batch_size = 1024
+max_steps = {steps}
+"""
+    )
+    # Measured with this script: at 512 samples per rank rank 0 peaks at 5.8 MiB and rank 1 at
+    # 5.4 MiB; at 256 rank 0 peaks at 4.8 MiB. 5.6 MiB after the 4th optimizer step.
+    daemon = daemon_factory("--emulate-device-memory", "64MiB,5.6MiB@4")
+    oomguard("submit", str(job), state_dir=daemon.state_dir, check=True)
+    record = daemon.wait_job("1", timeout=300)
+    assert record["state"] == "finished", (record["result"], record["report"])
+    first, second = record["attempts"]
+    assert (first["plan"]["micro_batch"], first["plan"]["world_size"]) == (512, 2)
+    assert first["outcome"]["kind"] == "oom" and first["outcome"]["step"] == 4  # the cap dropped after step 4
+    assert "CUDA out of memory" in first["outcome"]["message"]
+
+    exit_status = json.loads((Path(first["directory"]) / EXIT_STATUS).read_text())
+    failed = exit_status["failed_process"]
+    assert failed["rank"] == "0" and failed["out_of_memory"] is True
+    assert exit_status["ended_at"] - failed["at"] < 10.0, exit_status
+    assert processes.marked_with(first["directory"]) == set()
+
+    assert (second["plan"]["micro_batch"], second["plan"]["grad_accum"], second["plan"]["world_size"]) == (256, 2, 2)
+    assert second["outcome"]["kind"] == "finished" and second["outcome"]["step"] == steps
+    relaunched = (Path(second["directory"]) / "output.log").read_text()
+    for rank in (0, 1):
+        assert f"rank {rank}: train_batch_size=256 gradient_accumulation_steps=2 num_processes=2" in relaunched
+    assert "Resuming from checkpoint checkpoint-3" in relaunched
+    assert relaunched.rstrip().endswith(f"Steps: {steps}/{steps}")

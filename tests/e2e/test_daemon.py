@@ -202,7 +202,6 @@ gradient_checkpointing = ["--gradient_checkpointing"]
 [train]
 batch_size = 16
 max_steps = 10
-learning_rate = 1e-4
 """
     )
     daemon = daemon_factory()
@@ -253,7 +252,6 @@ cwd = "{tmp_path}"
 [train]
 batch_size = 2048
 max_steps = 4
-learning_rate = 1e-3
 """
     )
     daemon = daemon_factory("--emulate-device-memory", "8MiB")

@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--mixed_precision", default="no")
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--use_ema", action="store_true", help="keep EMA weights on the main process (it samples from them)")
     args = parser.parse_args()
 
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision, cpu=True)
@@ -32,6 +33,13 @@ def main() -> None:
     data = torch.utils.data.TensorDataset(torch.randn(4096, 64))
     loader = torch.utils.data.DataLoader(data, batch_size=args.train_batch_size, shuffle=True, drop_last=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    print(
+        f"rank {accelerator.process_index}: train_batch_size={args.train_batch_size} "
+        f"gradient_accumulation_steps={args.gradient_accumulation_steps} num_processes={accelerator.num_processes}",
+        flush=True,
+    )
+    # Only the main process keeps (and updates) the EMA copy: it needs more memory than the others.
+    ema = [p.detach().clone() for p in model.parameters()] if args.use_ema and accelerator.is_main_process else None
 
     global_step = 0
     if args.resume_from_checkpoint == "latest":
@@ -53,6 +61,10 @@ def main() -> None:
                 optimizer.zero_grad()
             if accelerator.sync_gradients:
                 global_step += 1
+                if ema is not None:
+                    with torch.no_grad():
+                        for average, p in zip(ema, model.parameters()):
+                            average.lerp_(p.detach(), 0.01)
                 # The progress line, as the examples' tqdm bar writes it ("Steps: ... 7/20").
                 print(f"Steps: {global_step}/{args.max_train_steps} loss={loss.item():.4f}", flush=True)
                 if global_step % args.checkpointing_steps == 0:
