@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench faults install clean
 
 install: $(STAMP)
 
@@ -44,6 +44,12 @@ test: $(STAMP)
 # minutes on 2 cores; results in bench/results/ (ladder.md, ladder.json, ladder.png).
 bench: install
 	$(BIN)/python bench/ladder.py --update-readme
+
+# Fault injection (bench/faults.py): 20 jobs per fault under a real daemon while runners and the
+# daemon are SIGKILLed, checkpoints damaged and the disk filled (the last as root only).
+# About ten minutes on 2 cores; results in bench/results/faults.md and faults.json.
+faults: install
+	$(BIN)/python bench/faults.py
 
 clean:
 	rm -rf $(VENV) demo-workdir .pytest_cache

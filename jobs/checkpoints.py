@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,14 +133,19 @@ def candidates(checkpoints_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: _step_of(p), reverse=True)  # type: ignore[arg-type, return-value]
 
 
-def latest_valid(checkpoints_dir: Path, warn: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> Checkpoint | None:
-    """The newest checkpoint that verifies; damaged ones are reported through ``warn`` and skipped."""
+def valid_newest_first(checkpoints_dir: Path, warn: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> Iterator[Checkpoint]:
+    """The checkpoints that verify, newest first; damaged ones are reported through ``warn``
+    and skipped."""
     for path in candidates(checkpoints_dir):
         try:
-            return verify(path)
+            yield verify(path)
         except CheckpointError as error:
             warn(f"skipping damaged checkpoint: {error}")
-    return None
+
+
+def latest_valid(checkpoints_dir: Path, warn: Callable[[str], None] = lambda text: print(text, file=sys.stderr)) -> Checkpoint | None:
+    """The newest checkpoint that verifies."""
+    return next(valid_newest_first(checkpoints_dir, warn), None)
 
 
 def prune(checkpoints_dir: Path, keep: int, protect: Path | None = None) -> None:

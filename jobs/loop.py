@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from oomguard.jobs import checkpoints, train_state
+from oomguard.jobs import checkpoints, faults, train_state
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, Control, write_json_atomic
 from oomguard.jobs.emulated_gpus import AssignedGpu
 from oomguard.jobs.memory_cap import DeviceMemory
@@ -96,7 +96,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
     try:
         with memory:
             checkpoints_dir = config.workdir / "checkpoints"
-            latest = checkpoints.latest_valid(checkpoints_dir, warn=say)
+            latest, weights = _newest_usable(checkpoints_dir, memory, say)
             memory.begin_step(latest.step if latest is not None else 0)
             if config.probe and latest is None:
                 probed = run_probe(trainer, job, plan, device, memory, control, say)
@@ -112,8 +112,6 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                 training = build_training(trainer, job, plan, device, memory)
                 say("no checkpoint: starting at step 0")
             else:
-                with memory.paused():
-                    weights = train_state.load_weights(latest.path, Plan.from_dict(latest.plan))
                 training = build_training(trainer, job, plan, device, memory, weights)
                 del weights
                 with memory.paused():
@@ -198,6 +196,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                     record.capacity = memory.capacity()
                     record.static = training.static_bytes()
                 progress.step += 1
+                faults.after_step(training, progress.step)
                 memory.publish()
                 _report(attempt_dir, metrics, progress, job.train.max_steps, result.loss, samples_per_s, memory, training.plan.short(), recoveries)
                 due_by_steps = progress.step % job.train.checkpoint_every_steps == 0
@@ -220,6 +219,18 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
     finally:
         memory.withdraw()
         metrics.close()
+
+
+def _newest_usable(checkpoints_dir: Path, memory: DeviceMemory, say: Any) -> tuple[checkpoints.Checkpoint | None, train_state.ModelWeights | None]:
+    """The newest checkpoint that verifies and whose weights are finite, with its weights: a
+    run that diverged may have saved NaN weights before its loss showed it."""
+    for checkpoint in checkpoints.valid_newest_first(checkpoints_dir, warn=say):
+        with memory.paused():
+            weights = train_state.load_weights(checkpoint.path, Plan.from_dict(checkpoint.plan))
+        if train_state.finite(weights):
+            return checkpoint, weights
+        say(f"skipping checkpoint {checkpoint.path.name}: its weights hold NaN or inf (the run diverged before it was written)")
+    return None, None
 
 
 def _steady(records: dict[Plan, PlanRecord]) -> list[Measurement]:

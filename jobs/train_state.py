@@ -75,6 +75,12 @@ def load_weights(directory: Path, plan: Plan) -> ModelWeights:
     return ModelWeights(base=load_file(str(directory / MODEL)), adapters=adapters, lora_rank=plan.lora_rank if adapters else None)
 
 
+def finite(weights: ModelWeights) -> bool:
+    """No NaN or inf in any weight (a run that diverged may have saved such a checkpoint)."""
+    tensors = [*weights.base.values(), *(weights.adapters or {}).values()]
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
 def load_rest(
     directory: Path,
     *,

@@ -7,6 +7,7 @@ carries a reason in words, recorded as an event and shown to people.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
 from oomguard.strategies.outcome import MemoryFigures, Outcome, format_bytes
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.planner import candidate_plans, rungs_between
+from oomguard.strategies.planner import KNOB_OF_RUNG, candidate_plans, rungs_between
 
 
 # Rungs that shrink activations: no help when the OOM came before any activation existed
@@ -123,6 +124,10 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
 
     ``history`` holds the job's earlier attempts, this one included.
     """
+    # A rung under which the loss diverged is unsafe for this job: never taken again.
+    unsafe = unsafe_rungs(history, policy)
+    if unsafe:
+        policy = dataclasses.replace(policy, allow=tuple(name for name in policy.allow if name not in unsafe))
     # Interruptions and neighbours' spikes are not the job's doing: they do not use up its tries.
     counted = [past for past in history if past.outcome.kind != "interrupted" and contention_of(past) is None]
     if len(counted) >= policy.max_attempts:
@@ -135,13 +140,49 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
     if outcome.kind in ("crashed", "host_oom"):
         return _after_crash(outcome, plan, history, policy)
     if outcome.kind == "diverged":
-        return GiveUp(reason=f"the loss diverged at step {outcome.step}: {outcome.message}", report=report(history, policy))
+        return _after_divergence(outcome, plan, history, policy, unsafe)
     if outcome.kind == "oom":
         contention = find_contention(outcome.memory, steady_peak(outcome, plan))
         if contention is not None:
             return _after_contention(contention, outcome, plan, history, policy)
         return _after_oom(outcome, plan, history, policy)
     raise ValueError(f"no decision to make after an attempt that ended {outcome.kind!r}")
+
+
+def unsafe_rungs(history: Sequence[PastAttempt], policy: Policy) -> tuple[str, ...]:
+    """The approximate rungs (they change the numerics) that a plan held when the job's loss
+    diverged under it, beyond what the job's own plan has."""
+    if not history:
+        return ()
+    origin = policy.initial or history[0].plan
+    unsafe = {
+        name for past in history if past.outcome.kind == "diverged"
+        for name in rungs_between(origin, past.plan) if name not in EXACT_RUNG_NAMES
+    }
+    return tuple(name for name in RUNG_NAMES if name in unsafe)
+
+
+def _after_divergence(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy, unsafe: tuple[str, ...]) -> Decision:
+    """The loss went NaN/inf. Under a rung that changes the numerics (precision, the 8-bit
+    optimizer, ...): the rung is marked unsafe, the plan goes back to the job's own setting
+    of that knob, and the next attempt resumes from the newest checkpoint whose weights are
+    finite (the runner skips the others). Under the job's own numerics: a person must look."""
+    diverged = f"the loss diverged at step {outcome.step} under [{plan.short()}] ({outcome.message.strip() or 'NaN/inf'})"
+    origin = _origin(plan, history, policy)
+    taken = [name for name in rungs_between(origin, plan) if name in unsafe]
+    if not taken:
+        return GiveUp(reason=f"{diverged}; the job's own settings diverge: look at its learning rate and data", report=report(history, policy))
+    knobs = {KNOB_OF_RUNG[name]: getattr(origin, KNOB_OF_RUNG[name]) for name in taken}
+    reverted = plan.replace(**knobs)
+    diagnosis = f"{diverged}; {', '.join(taken)} marked unsafe for this job, rolled back to the newest checkpoint with finite weights"
+    failed = {past.plan for past in history if past.outcome.kind == "oom" and contention_of(past) is None}
+    if reverted not in failed:
+        return NextPlan(plan=reverted, rung="undo:" + "+".join(taken), reason=f"{diagnosis} -> back to [{reverted.short()}]")
+    # The plan without the unsafe rung ran out of memory before: the ladder goes on from the
+    # OOM that led to the rung, without it.
+    last_oom = next(past.outcome for past in reversed(history) if past.outcome.kind == "oom" and contention_of(past) is None)
+    decision = _after_oom(last_oom, reverted, history, policy)
+    return dataclasses.replace(decision, reason=f"{diagnosis}; then: {decision.reason}")
 
 
 def steady_peak(outcome: Outcome, plan: Plan) -> int | None:

@@ -350,12 +350,44 @@ def test_interrupted_is_retried(times):
         assert "interrupted" in decision.reason
 
 
-def test_diverged_gives_up():
+def test_diverged_under_the_jobs_own_numerics_gives_up():
     outcome = Outcome(kind="diverged", step=42, phase="forward", message="loss is nan at step 42")
     decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
     assert isinstance(decision, GiveUp)
-    assert decision.reason == "the loss diverged at step 42: loss is nan at step 42"
+    assert decision.reason == (
+        "the loss diverged at step 42 under [mb=16x1] (loss is nan at step 42); the job's own settings diverge: look at its learning rate and data"
+    )
     assert "1. [mb=16x1] diverged at step 42 (loss is nan at step 42)" in decision.report
+
+
+DIVERGED = Outcome(kind="diverged", step=12, phase="forward", message="loss is nan at step 12")
+WITH_PRECISION = Policy(allow=("micro_batch", "precision", "optimizer_8bit"), initial=START)
+
+
+def test_a_divergence_after_the_precision_rung_marks_it_unsafe_and_goes_back_to_full_precision():
+    # An exact plan that never ran out of memory: back to it.
+    bf16 = START.replace(mixed_precision="bf16")
+    history = [PastAttempt(bf16, DIVERGED)]
+    decision = decide(DIVERGED, bf16, history, WITH_PRECISION)
+    assert isinstance(decision, NextPlan) and decision.plan == START and decision.rung == "undo:precision"
+    assert decision.reason.startswith("the loss diverged at step 12 under [mb=16x1 bf16] (loss is nan at step 12); precision marked unsafe")
+    assert "rolled back to the newest checkpoint with finite weights -> back to [mb=16x1]" in decision.reason
+
+
+def test_after_a_divergence_the_unsafe_rung_is_never_taken_again():
+    # The job ran out of memory at mb=1 in fp32, took precision, diverged: the ladder goes on
+    # from that OOM without precision (the 8-bit optimizer), and a later OOM never offers it.
+    tight = START.replace(micro_batch=1)
+    bf16 = tight.replace(mixed_precision="bf16")
+    history = [PastAttempt(tight, oom(total=1024 * MiB)), PastAttempt(bf16, DIVERGED)]
+    decision = decide(DIVERGED, bf16, history, WITH_PRECISION)
+    assert isinstance(decision, NextPlan) and decision.plan.mixed_precision == "no" and decision.plan.optimizer == "adamw8bit"
+    assert "precision marked unsafe for this job" in decision.reason and "; then: " in decision.reason
+    history.append(PastAttempt(decision.plan, oom(total=1024 * MiB)))
+    later = decide(history[-1].outcome, decision.plan, history, WITH_PRECISION)
+    assert not (isinstance(later, NextPlan) and later.plan.mixed_precision != "no")
+    if isinstance(later, GiveUp):
+        assert "precision" not in later.reason.split("would, with")[-1]
 
 
 @pytest.mark.parametrize("kind", ["finished", "cancelled"])

@@ -1,0 +1,554 @@
+#!/usr/bin/env python
+"""Fault injection: how much abuse oomguard survives, and what it costs.
+
+For every fault, one real ``oomguard daemon`` (its own state directory, two attempts at once)
+trains one small job per seed (a UNet of a few thousand weights, 24 optimizer steps, a
+checkpoint every 4) while this script does the damage, chosen by the seed:
+
+- ``kill-runner``: SIGKILL the runner one to three times per job, at a random step or the
+  moment it starts writing a checkpoint (seen through inotify on its checkpoints folder).
+- ``kill-daemon``: SIGKILL the daemon at random moments and start a new one at once; the
+  attempts run on under their shims and the new daemon adopts them.
+- ``corrupt-checkpoint``: truncate, overwrite or delete a file of a job's newest checkpoint
+  (the weights, the optimizer state, the manifest), then SIGKILL its runner so that the next
+  attempt has to choose a checkpoint.
+- ``disk-full``: the jobs' workdirs on a small tmpfs; when a job starts writing a checkpoint,
+  fill the disk, and free it again once that attempt has ended (root only: it mounts).
+
+Measured for each fault: jobs finished; jobs lost (not finished, or finished without a
+complete final model; must be 0); optimizer steps recomputed (steps trained beyond the
+job's max_steps: the work a fault threw away); corrupt checkpoints loaded (an attempt resumed
+from a checkpoint after this script damaged it; must be 0); and final weights equal to those
+of the same job trained without faults (``none``, run first as the reference).
+
+Run it with ``make faults`` (``bench/faults.py --help`` for options). Results:
+bench/results/faults.md and faults.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+FAULTS = ("kill-runner", "kill-daemon", "corrupt-checkpoint", "disk-full")
+MAX_STEPS = 24
+CHECKPOINT_EVERY = 4
+# One thread per process: two attempts share the two cores without oversubscribing them.
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+JOB = """\
+name = "seed-{seed}"
+trainer = "unconditional"
+{workdir}
+[data]
+source = "synthetic:16"
+resolution = 16
+
+[model]
+block_out_channels = [8, 16]
+layers_per_block = 1
+down_block_types = ["DownBlock2D", "DownBlock2D"]
+up_block_types = ["UpBlock2D", "UpBlock2D"]
+norm_num_groups = 4
+
+[train]
+batch_size = 8
+max_steps = {max_steps}
+learning_rate = 1e-3
+seed = {seed}
+checkpoint_every_steps = {checkpoint_every}
+keep_checkpoints = 2
+
+[ladder]
+probe = false
+crash_retries = 5
+"""
+
+
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+
+
+def oomguard(state_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(state_dir), *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+class Daemon:
+    """One `oomguard daemon` at a time on a state directory; kill() and start() again."""
+
+    def __init__(self, state_dir: Path, env: dict[str, str]) -> None:
+        self.state_dir = state_dir
+        self.env = env
+        self.process: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        with (self.state_dir / "daemon.out").open("ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(self.state_dir), "daemon", "--poll-interval", "0.1", "--max-parallel", "2"],
+                stdout=out, stderr=subprocess.STDOUT, env=self.env,
+            )
+        self.starts += 1
+        # Wait until it has taken the lock and watches the spool (a new daemon after a kill
+        # may wait for the old one's lock to go).
+        deadline = time.monotonic() + 60
+        while (self.state_dir / "daemon.out").read_text().count("watching") < self.starts:
+            if time.monotonic() > deadline or self.process.poll() is not None:
+                raise RuntimeError(f"the daemon did not start: {(self.state_dir / 'daemon.out').read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@dataclass
+class Damage:
+    """A checkpoint this script damaged: its job, step, what was done and when."""
+
+    job: str
+    step: int
+    how: str
+    at: float
+
+
+@dataclass
+class Run:
+    fault: str
+    state_dir: Path
+    workdirs: Path
+    seeds: list[int]
+    rng: random.Random
+    daemon: Daemon
+    injected: list[dict[str, Any]] = field(default_factory=list)
+    damages: list[Damage] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def job_dir(self, seed: int) -> Path:
+        return self.workdirs / f"seed-{seed}"
+
+    def running_attempt(self, seed: int) -> dict[str, Any] | None:
+        """The attempt of job seed-N that is running now (pid of its shim, directory), if any."""
+        from oomguard.daemon.store import Store
+
+        store = Store(self.state_dir / "oomguard.db", readonly=True)
+        try:
+            job = next((j for j in store.jobs() if j["name"] == f"seed-{seed}"), None)
+            if job is None or job["state"] != "running":
+                return None
+            attempts = store.attempts(job["id"])
+            last = attempts[-1] if attempts else None
+            return dict(last) if last is not None and last["ended_at"] is None and last["pid"] else None
+        finally:
+            store.close()
+
+
+def runner_of(attempt: dict[str, Any]) -> int | None:
+    """The runner process of an attempt (the shim's child running oomguard.jobs.run)."""
+    from oomguard.daemon import processes
+
+    for pid in processes.of_attempt(attempt["pid"], attempt["directory"]):
+        try:
+            if b"oomguard.jobs.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def step_of(attempt: dict[str, Any]) -> int:
+    try:
+        return int(json.loads((Path(attempt["directory"]) / "heartbeat.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def kill_runner(run: Run, seed: int, reason: str, during_checkpoint: bool = False) -> bool:
+    attempt = run.running_attempt(seed)
+    pid = runner_of(attempt) if attempt else None
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    run.injected.append({"job": f"seed-{seed}", "what": f"SIGKILL runner ({reason})", "at": time.time(), "during_checkpoint": during_checkpoint})
+    return True
+
+
+class CheckpointWatch:
+    """Calls ``on_start(seed)`` the moment a job starts writing a checkpoint (inotify)."""
+
+    def __init__(self, run: Run, on_start: Callable[[int], None]) -> None:
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        watch = self
+
+        class Handler(FileSystemEventHandler):
+            def on_created(self, event: Any) -> None:
+                path = Path(event.src_path)
+                if event.is_directory and path.name.startswith(".tmp-step-"):
+                    seed = int(path.parent.parent.name.split("-")[1])
+                    on_start(seed)
+
+        self.observer = Observer()
+        for seed in run.seeds:
+            folder = run.job_dir(seed) / "checkpoints"
+            folder.mkdir(parents=True, exist_ok=True)
+            self.observer.schedule(Handler(), str(folder), recursive=False)
+        del watch
+
+    def __enter__(self) -> CheckpointWatch:
+        self.observer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.observer.stop()
+        self.observer.join()
+
+
+def inject_kill_runner(run: Run) -> None:
+    kills_left = {seed: run.rng.randint(1, 3) for seed in run.seeds}
+    # Each kill: at a random step, or when the next checkpoint write starts.
+    modes = {seed: [run.rng.choice(["step", "checkpoint"]) for _ in range(kills_left[seed])] for seed in run.seeds}
+    targets = {seed: run.rng.randint(1, MAX_STEPS - 1) for seed in run.seeds}
+    lock = threading.Lock()
+
+    def on_checkpoint(seed: int) -> None:
+        with lock:
+            if modes[seed] and modes[seed][0] == "checkpoint" and kill_runner(run, seed, "while it writes a checkpoint", during_checkpoint=True):
+                modes[seed].pop(0)
+
+    with CheckpointWatch(run, on_checkpoint):
+        while not run.done.is_set():
+            for seed in run.seeds:
+                with lock:
+                    if not modes[seed] or modes[seed][0] != "step":
+                        continue
+                    attempt = run.running_attempt(seed)
+                    if attempt and step_of(attempt) >= targets[seed] and kill_runner(run, seed, f"at step {step_of(attempt)}"):
+                        modes[seed].pop(0)
+                        targets[seed] = run.rng.randint(1, MAX_STEPS - 1)
+            time.sleep(0.05)
+
+
+def inject_kill_daemon(run: Run) -> None:
+    while not run.done.wait(run.rng.uniform(0.5, 4.0)):
+        run.daemon.kill()
+        run.injected.append({"job": None, "what": "SIGKILL daemon", "at": time.time()})
+        run.daemon.start()
+
+
+def damage_newest(run: Run, seed: int) -> Damage | None:
+    from oomguard.jobs import checkpoints
+
+    found = checkpoints.candidates(run.job_dir(seed) / "checkpoints")
+    if not found:
+        return None
+    newest = found[0]
+    files = sorted(p for p in newest.iterdir() if p.is_file())
+    target = run.rng.choice(files)
+    how = run.rng.choice(["truncate", "overwrite", "delete"])
+    if how == "truncate":
+        with target.open("r+b") as f:
+            f.truncate(target.stat().st_size // 2)
+    elif how == "overwrite":
+        data = bytearray(target.read_bytes())
+        if data:
+            data[run.rng.randrange(len(data))] ^= 0xFF
+        target.write_bytes(bytes(data))
+    else:
+        target.unlink()
+    step = checkpoints._step_of(newest) or 0  # noqa: SLF001 - the step its name holds
+    return Damage(job=f"seed-{seed}", step=step, how=f"{how} {target.name}", at=time.time())
+
+
+def inject_corrupt_checkpoint(run: Run) -> None:
+    pending = {seed: run.rng.randint(CHECKPOINT_EVERY, MAX_STEPS - 2) for seed in run.seeds}
+    while not run.done.is_set() and pending:
+        for seed, after in list(pending.items()):
+            attempt = run.running_attempt(seed)
+            if attempt is None or step_of(attempt) < after:
+                continue
+            # Stop the runner first so that it cannot prune or rewrite what is damaged next.
+            if not kill_runner(run, seed, "after damaging its newest checkpoint"):
+                continue
+            damage = damage_newest(run, seed)
+            if damage is not None:
+                run.damages.append(damage)
+                run.injected.append({"job": damage.job, "what": f"damaged checkpoint step {damage.step}: {damage.how}", "at": damage.at})
+            del pending[seed]
+        time.sleep(0.05)
+
+
+def inject_disk_full(run: Run) -> None:
+    filler = run.workdirs / "filler"
+    fills = {seed: 1 for seed in run.seeds}
+    lock = threading.Lock()
+    full_for: list[dict[str, Any]] = []
+
+    def fill(seed: int) -> None:
+        with lock:
+            if fills[seed] == 0 or full_for:
+                return
+            attempt = run.running_attempt(seed)
+            if attempt is None:
+                return
+            fills[seed] -= 1
+            with filler.open("ab") as out:
+                try:
+                    while True:
+                        out.write(b"\0" * (1 << 20))
+                        out.flush()
+                except OSError:
+                    pass  # the disk is full
+            full_for.append(attempt)
+            run.injected.append({"job": f"seed-{seed}", "what": "filled the disk while it writes a checkpoint", "at": time.time(), "during_checkpoint": True})
+
+    with CheckpointWatch(run, fill):
+        while not run.done.is_set():
+            with lock:
+                if full_for:
+                    attempt = full_for[0]
+                    still = run.running_attempt(int(attempt["directory"].split("seed-")[1].split("/")[0]))
+                    if still is None or still["id"] != attempt["id"] or time.time() - attempt["started_at"] > 60:
+                        filler.unlink(missing_ok=True)
+                        full_for.clear()
+            time.sleep(0.05)
+    filler.unlink(missing_ok=True)
+
+
+INJECTORS: dict[str, Callable[[Run], None]] = {
+    "none": lambda run: None,
+    "kill-runner": inject_kill_runner,
+    "kill-daemon": inject_kill_daemon,
+    "corrupt-checkpoint": inject_corrupt_checkpoint,
+    "disk-full": inject_disk_full,
+}
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+def run_fault(fault: str, seeds: list[int], base: Path, rng_seed: int, deadline_s: float) -> dict[str, Any]:
+    state_dir = base / fault / "state"
+    workdirs = base / fault / "work"
+    workdirs.mkdir(parents=True)
+    mounted = False
+    if fault == "disk-full":
+        # Room for the jobs' checkpoints and finals, not for the filler.
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(workdirs)], check=True)
+        mounted = True
+    env = {**os.environ, **THREAD_ENV}
+    daemon = Daemon(state_dir, env)
+    run = Run(fault, state_dir, workdirs, seeds, random.Random(rng_seed), daemon)
+    started = time.monotonic()
+    try:
+        daemon.start()
+        for seed in seeds:
+            job_file = base / fault / f"seed-{seed}.toml"
+            job_file.write_text(JOB.format(seed=seed, workdir=f'workdir = "{run.job_dir(seed)}"', max_steps=MAX_STEPS, checkpoint_every=CHECKPOINT_EVERY))
+            result = oomguard(state_dir, "submit", str(job_file))
+            if result.returncode != 0:
+                raise RuntimeError(f"submit failed: {result.stdout}{result.stderr}")
+        injector = threading.Thread(target=INJECTORS[fault], args=(run,), daemon=True)
+        injector.start()
+        ended = wait_for_jobs(state_dir, len(seeds), started + deadline_s)
+        run.done.set()
+        injector.join(timeout=120)
+        elapsed = time.monotonic() - started
+        return measure(run, ended, elapsed)
+    finally:
+        run.done.set()
+        daemon.stop()
+        if mounted:
+            subprocess.run(["umount", "-l", str(workdirs)], check=False)
+
+
+def wait_for_jobs(state_dir: Path, count: int, deadline: float) -> list[dict[str, Any]]:
+    while True:
+        records = [json.loads(oomguard(state_dir, "show", str(i), "--json").stdout) for i in range(1, count + 1)]
+        if all(r["state"] in ("finished", "failed", "cancelled") for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(1.0)
+
+
+_RESUMED = re.compile(r"resumed from checkpoint at step (\d+)")
+
+
+def measure(run: Run, records: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    jobs = []
+    for record in records:
+        steps_trained = 0
+        resumes: list[tuple[float, int]] = []
+        skipped = 0
+        for attempt in record["attempts"]:
+            directory = Path(attempt["directory"])
+            metrics = directory / "metrics.jsonl"
+            if metrics.exists():
+                steps_trained += sum(1 for line in metrics.read_text().splitlines() if line.strip())
+            log_text = (directory / "output.log").read_text(errors="replace") if (directory / "output.log").exists() else ""
+            for found in _RESUMED.finditer(log_text):
+                resumes.append((attempt["started_at"], int(found.group(1))))
+            skipped += log_text.count("skipping damaged checkpoint")
+        final = Path(record["workdir"]) / "final" / "diffusion_pytorch_model.safetensors"
+        finished = record["state"] == "finished" and final.is_file()
+        if finished:  # kept beside the state directory: the workdirs may be on a tmpfs that goes
+            kept = run.state_dir.parent / "finals" / f"{record['name']}.safetensors"
+            kept.parent.mkdir(exist_ok=True)
+            shutil.copyfile(final, kept)
+            final = kept
+        corrupt_loaded = sum(
+            1 for started_at, step in resumes for d in run.damages if d.job == record["name"] and d.step == step and d.at < started_at
+        )
+        jobs.append({
+            "name": record["name"], "state": record["state"], "finished": finished, "attempts": len(record["attempts"]),
+            "steps_trained": steps_trained, "recomputed": max(0, steps_trained - MAX_STEPS), "damaged_skipped": skipped,
+            "corrupt_loaded": corrupt_loaded, "final": str(final) if finished else None, "result": record.get("result"),
+        })
+    return {
+        "fault": run.fault, "jobs": jobs, "injected": run.injected, "damages": [vars(d) for d in run.damages],
+        "daemon_starts": run.daemon.starts, "seconds": round(elapsed, 1),
+    }
+
+
+def same_weights(a: str | None, b: str | None) -> bool | None:
+    if a is None or b is None:
+        return None
+    import torch
+    from safetensors.torch import load_file
+
+    x, y = load_file(a), load_file(b)
+    return x.keys() == y.keys() and all(torch.allclose(x[k], y[k], rtol=1e-5, atol=1e-6) for k in x)
+
+
+def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    reference = {job["name"]: job["final"] for r in results if r["fault"] == "none" for job in r["jobs"]}
+    rows = []
+    for r in results:
+        jobs = r["jobs"]
+        equal = [same_weights(job["final"], reference.get(job["name"])) for job in jobs] if r["fault"] != "none" else []
+        rows.append({
+            "fault": r["fault"],
+            "jobs": len(jobs),
+            "injected": len(r["injected"]),
+            "during_checkpoint": sum(1 for i in r["injected"] if i.get("during_checkpoint")),
+            "finished": sum(job["finished"] for job in jobs),
+            "lost": sum(not job["finished"] for job in jobs),
+            "recomputed": sum(job["recomputed"] for job in jobs),
+            "damaged_skipped": sum(job["damaged_skipped"] for job in jobs),
+            "corrupt_loaded": sum(job["corrupt_loaded"] for job in jobs),
+            "same_weights": f"{sum(e is True for e in equal)} of {len(equal)}" if equal else "reference",
+            "seconds": r["seconds"],
+        })
+    return rows
+
+
+def write_report(out: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], command: str, skipped: dict[str, str]) -> None:
+    import torch
+
+    out.mkdir(parents=True, exist_ok=True)
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Fault injection",
+        "",
+        f"Measured {when} on {os.cpu_count()} CPUs ({platform.platform()}), torch {torch.__version__}. Command: `{command}`.",
+        "",
+        f"Each job: a small UNet, batch 8, {MAX_STEPS} optimizer steps, a checkpoint every {CHECKPOINT_EVERY} (2 kept), "
+        "one job per seed, two attempts at once under one real daemon. 'recomputed' is optimizer steps trained beyond "
+        "the jobs' max_steps (work a fault threw away); 'same weights' compares each job's final weights with the same "
+        "job trained without faults (rtol 1e-5).",
+        "",
+        "| fault | jobs | faults injected | of them during a checkpoint write | finished | lost | steps recomputed | damaged checkpoints skipped | corrupt checkpoints loaded | same final weights | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['fault']} | {row['jobs']} | {row['injected']} | {row['during_checkpoint']} | {row['finished']} | {row['lost']} | "
+            f"{row['recomputed']} | {row['damaged_skipped']} | {row['corrupt_loaded']} | {row['same_weights']} | {row['seconds']} |"
+        )
+    for fault, why in skipped.items():
+        lines.append(f"| {fault} | skipped: {why} | | | | | | | | | |")
+    lines += ["", "## What was done to each job", ""]
+    for r in results:
+        if r["fault"] == "none":
+            continue
+        lines.append(f"### {r['fault']}")
+        lines.append("")
+        for job in r["jobs"]:
+            what = [i["what"] for i in r["injected"] if i["job"] == job["name"]]
+            lines.append(f"- {job['name']}: {job['state']} after {job['attempts']} attempt(s), {job['steps_trained']} steps trained; " + ("; ".join(what) or "—"))
+        daemon_kills = sum(1 for i in r["injected"] if i["job"] is None)
+        if daemon_kills:
+            lines.append(f"- the daemon was killed {daemon_kills} times and started {r['daemon_starts']} times")
+        lines.append("")
+    (out / "faults.md").write_text("\n".join(lines) + "\n")
+    (out / "faults.json").write_text(json.dumps({"measured": when, "command": command, "summary": rows, "runs": results}, indent=1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=20, help="jobs (seeds) per fault (default 20)")
+    parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)} (default: all)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where faults.md and faults.json go (default bench/results)")
+    parser.add_argument("--deadline", type=float, default=600, help="seconds a fault's jobs may take in all (default 600)")
+    args = parser.parse_args(argv)
+    faults = [f for f in args.faults.split(",") if f]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        parser.error(f"unknown fault(s) {', '.join(unknown)}; known: {', '.join(FAULTS)}")
+    skipped: dict[str, str] = {}
+    if "disk-full" in faults and not can_mount():
+        faults.remove("disk-full")
+        skipped["disk-full"] = "needs root to mount a small tmpfs"
+    seeds = list(range(args.seeds))
+    command = "python bench/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = []
+    with tempfile.TemporaryDirectory(prefix="oomguard-faults-") as base:
+        for number, fault in enumerate(["none", *faults]):
+            log(f"{fault}: {len(seeds)} jobs")
+            result = run_fault(fault, seeds, Path(base), rng_seed=1000 + number, deadline_s=args.deadline)
+            results.append(result)
+            log(f"{fault}: done in {result['seconds']} s, {sum(j['finished'] for j in result['jobs'])} of {len(seeds)} finished")
+        rows = summarize(results)
+        write_report(args.out, rows, results, command.strip(), skipped)
+    for row in rows:
+        log(json.dumps(row))
+    bad = [row for row in rows if row["lost"] or row["corrupt_loaded"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
