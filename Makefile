@@ -49,7 +49,7 @@ bench: install
 # daemon are SIGKILLed, checkpoints damaged and the disk filled (the last as root only).
 # About ten minutes on 2 cores; results in bench/results/faults.md and faults.json.
 faults: install
-	$(BIN)/python bench/faults.py
+	$(BIN)/python bench/faults.py --update-readme
 
 clean:
 	rm -rf $(VENV) demo-workdir .pytest_cache

@@ -14,12 +14,18 @@ checkpoint every 4) while this script does the damage, chosen by the seed:
   attempt has to choose a checkpoint.
 - ``disk-full``: the jobs' workdirs on a small tmpfs; when a job starts writing a checkpoint,
   fill the disk, and free it again once that attempt has ended (root only: it mounts).
+- ``nan-after-precision``: a job that must take the precision rung while memory is short
+  (its device has 2.1 MiB for 4 steps, then 64 MiB); after its 8th step under bf16 the runner
+  turns a weight into NaN (OOMGUARD_INJECT_FAULT, jobs/faults.py), so the checkpoint of that
+  step holds NaN and the next loss is NaN. Its final weights differ from the reference by
+  design (bf16 for a while), so only their finiteness is checked.
 
 Measured for each fault: jobs finished; jobs lost (not finished, or finished without a
-complete final model; must be 0); optimizer steps recomputed (steps trained beyond the
-job's max_steps: the work a fault threw away); corrupt checkpoints loaded (an attempt resumed
-from a checkpoint after this script damaged it; must be 0); and final weights equal to those
-of the same job trained without faults (``none``, run first as the reference).
+complete, finite final model; must be 0); losses diverged; optimizer steps recomputed (steps
+trained beyond the job's max_steps: the work a fault threw away); damaged or NaN checkpoints
+the runner skipped; corrupt checkpoints loaded (an attempt resumed from a checkpoint after
+this script damaged it; must be 0); and final weights equal to those of the same job trained
+without faults (``none``, run first as the reference).
 
 Run it with ``make faults`` (``bench/faults.py --help`` for options). Results:
 bench/results/faults.md and faults.json.
@@ -48,7 +54,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
-FAULTS = ("kill-runner", "kill-daemon", "corrupt-checkpoint", "disk-full")
+FAULTS = ("kill-runner", "kill-daemon", "corrupt-checkpoint", "disk-full", "nan-after-precision")
 MAX_STEPS = 24
 CHECKPOINT_EVERY = 4
 # One thread per process: two attempts share the two cores without oversubscribing them.
@@ -83,6 +89,37 @@ crash_retries = 5
 """
 
 
+# The NaN fault needs a job that takes the precision rung: activations dominate its memory
+# (32x32 images, few channels), and for its first 4 steps a 2.1 MiB device fits no
+# micro-batch in full precision (micro-batch 1 peaks at 2.4 MiB) but micro-batch 1 under bf16
+# (1.6 MiB; measured). From step 4 on the device has 64 MiB again, as when another job ends.
+# The NaN comes after the 8th step under bf16, so the checkpoint of step 8 holds NaN weights;
+# the doctor marks precision unsafe and, with the memory back, goes on in full precision from
+# the newest checkpoint with finite weights (step 4: the runner skips step 8's).
+NAN_JOB = (
+    JOB.replace("resolution = 16", "resolution = 32")
+    .replace("[ladder]\nprobe = false", '[ladder]\nallow = ["micro_batch", "precision"]')
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one fault's jobs and daemon are set up (default: the small job, no cap)."""
+
+    job: str = JOB
+    daemon_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+SETTINGS: dict[str, Setting] = {
+    "nan-after-precision": Setting(
+        job=NAN_JOB,
+        daemon_args=("--emulate-device-memory", "2.1MiB,64MiB@4"),
+        env=(("OOMGUARD_INJECT_FAULT", "nan_under_reduced_precision@8"),),
+    ),
+}
+
+
 def log(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
@@ -96,9 +133,10 @@ def oomguard(state_dir: Path, *args: str, timeout: float = 60) -> subprocess.Com
 class Daemon:
     """One `oomguard daemon` at a time on a state directory; kill() and start() again."""
 
-    def __init__(self, state_dir: Path, env: dict[str, str]) -> None:
+    def __init__(self, state_dir: Path, env: dict[str, str], extra: tuple[str, ...] = ()) -> None:
         self.state_dir = state_dir
         self.env = env
+        self.extra = extra
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -106,7 +144,7 @@ class Daemon:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         with (self.state_dir / "daemon.out").open("ab") as out:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(self.state_dir), "daemon", "--poll-interval", "0.1", "--max-parallel", "2"],
+                [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(self.state_dir), "daemon", "--poll-interval", "0.1", "--max-parallel", "2", *self.extra],
                 stdout=out, stderr=subprocess.STDOUT, env=self.env,
             )
         self.starts += 1
@@ -355,6 +393,8 @@ INJECTORS: dict[str, Callable[[Run], None]] = {
     "kill-daemon": inject_kill_daemon,
     "corrupt-checkpoint": inject_corrupt_checkpoint,
     "disk-full": inject_disk_full,
+    # Injected inside the runner (OOMGUARD_INJECT_FAULT, jobs/faults.py); read from the logs.
+    "nan-after-precision": lambda run: None,
 }
 
 
@@ -371,15 +411,16 @@ def run_fault(fault: str, seeds: list[int], base: Path, rng_seed: int, deadline_
         # Room for the jobs' checkpoints and finals, not for the filler.
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(workdirs)], check=True)
         mounted = True
-    env = {**os.environ, **THREAD_ENV}
-    daemon = Daemon(state_dir, env)
+    setting = SETTINGS.get(fault, Setting())
+    env = {**os.environ, **THREAD_ENV, **dict(setting.env)}
+    daemon = Daemon(state_dir, env, setting.daemon_args)
     run = Run(fault, state_dir, workdirs, seeds, random.Random(rng_seed), daemon)
     started = time.monotonic()
     try:
         daemon.start()
         for seed in seeds:
             job_file = base / fault / f"seed-{seed}.toml"
-            job_file.write_text(JOB.format(seed=seed, workdir=f'workdir = "{run.job_dir(seed)}"', max_steps=MAX_STEPS, checkpoint_every=CHECKPOINT_EVERY))
+            job_file.write_text(setting.job.format(seed=seed, workdir=f'workdir = "{run.job_dir(seed)}"', max_steps=MAX_STEPS, checkpoint_every=CHECKPOINT_EVERY))
             result = oomguard(state_dir, "submit", str(job_file))
             if result.returncode != 0:
                 raise RuntimeError(f"submit failed: {result.stdout}{result.stderr}")
@@ -389,7 +430,7 @@ def run_fault(fault: str, seeds: list[int], base: Path, rng_seed: int, deadline_
         run.done.set()
         injector.join(timeout=120)
         elapsed = time.monotonic() - started
-        return measure(run, ended, elapsed)
+        return measure(run, ended, elapsed, setting)
     finally:
         run.done.set()
         daemon.stop()
@@ -408,7 +449,7 @@ def wait_for_jobs(state_dir: Path, count: int, deadline: float) -> list[dict[str
 _RESUMED = re.compile(r"resumed from checkpoint at step (\d+)")
 
 
-def measure(run: Run, records: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+def measure(run: Run, records: list[dict[str, Any]], elapsed: float, setting: Setting) -> dict[str, Any]:
     jobs = []
     for record in records:
         steps_trained = 0
@@ -422,9 +463,12 @@ def measure(run: Run, records: list[dict[str, Any]], elapsed: float) -> dict[str
             log_text = (directory / "output.log").read_text(errors="replace") if (directory / "output.log").exists() else ""
             for found in _RESUMED.finditer(log_text):
                 resumes.append((attempt["started_at"], int(found.group(1))))
-            skipped += log_text.count("skipping damaged checkpoint")
+            skipped += log_text.count("skipping damaged checkpoint") + log_text.count("its weights hold NaN or inf")
+            for line in log_text.splitlines():
+                if line.startswith("oomguard fault injection: "):
+                    run.injected.append({"job": record["name"], "what": line.removeprefix("oomguard fault injection: "), "at": attempt["started_at"]})
         final = Path(record["workdir"]) / "final" / "diffusion_pytorch_model.safetensors"
-        finished = record["state"] == "finished" and final.is_file()
+        finished = record["state"] == "finished" and final.is_file() and all_finite(final)
         if finished:  # kept beside the state directory: the workdirs may be on a tmpfs that goes
             kept = run.state_dir.parent / "finals" / f"{record['name']}.safetensors"
             kept.parent.mkdir(exist_ok=True)
@@ -434,7 +478,9 @@ def measure(run: Run, records: list[dict[str, Any]], elapsed: float) -> dict[str
             1 for started_at, step in resumes for d in run.damages if d.job == record["name"] and d.step == step and d.at < started_at
         )
         jobs.append({
-            "name": record["name"], "state": record["state"], "finished": finished, "attempts": len(record["attempts"]),
+            "name": record["name"], "state": record["state"], "finished": finished,
+            "diverged": sum(1 for a in record["attempts"] if (a.get("outcome") or {}).get("kind") == "diverged"),
+            "attempts": len(record["attempts"]),
             "steps_trained": steps_trained, "recomputed": max(0, steps_trained - MAX_STEPS), "damaged_skipped": skipped,
             "corrupt_loaded": corrupt_loaded, "final": str(final) if finished else None, "result": record.get("result"),
         })
@@ -442,6 +488,13 @@ def measure(run: Run, records: list[dict[str, Any]], elapsed: float) -> dict[str
         "fault": run.fault, "jobs": jobs, "injected": run.injected, "damages": [vars(d) for d in run.damages],
         "daemon_starts": run.daemon.starts, "seconds": round(elapsed, 1),
     }
+
+
+def all_finite(path: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    return all(bool(torch.isfinite(t).all()) for t in load_file(str(path)).values() if t.is_floating_point())
 
 
 def same_weights(a: str | None, b: str | None) -> bool | None:
@@ -459,7 +512,8 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for r in results:
         jobs = r["jobs"]
-        equal = [same_weights(job["final"], reference.get(job["name"])) for job in jobs] if r["fault"] != "none" else []
+        comparable = r["fault"] != "none" and SETTINGS.get(r["fault"], Setting()).job == JOB
+        equal = [same_weights(job["final"], reference.get(job["name"])) for job in jobs] if comparable else []
         rows.append({
             "fault": r["fault"],
             "jobs": len(jobs),
@@ -467,16 +521,19 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "during_checkpoint": sum(1 for i in r["injected"] if i.get("during_checkpoint")),
             "finished": sum(job["finished"] for job in jobs),
             "lost": sum(not job["finished"] for job in jobs),
+            "diverged": sum(job["diverged"] for job in jobs),
             "recomputed": sum(job["recomputed"] for job in jobs),
             "damaged_skipped": sum(job["damaged_skipped"] for job in jobs),
             "corrupt_loaded": sum(job["corrupt_loaded"] for job in jobs),
-            "same_weights": f"{sum(e is True for e in equal)} of {len(equal)}" if equal else "reference",
+            "same_weights": f"{sum(e is True for e in equal)} of {len(equal)}" if comparable else "reference" if r["fault"] == "none" else "n/a",
             "seconds": r["seconds"],
         })
     return rows
 
 
-def write_report(out: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], command: str, skipped: dict[str, str]) -> None:
+def write_report(
+    out: Path, rows: list[dict[str, Any]], results: list[dict[str, Any]], command: str, skipped: dict[str, str], update_readme: bool = False,
+) -> None:
     import torch
 
     out.mkdir(parents=True, exist_ok=True)
@@ -491,16 +548,16 @@ def write_report(out: Path, rows: list[dict[str, Any]], results: list[dict[str, 
         "the jobs' max_steps (work a fault threw away); 'same weights' compares each job's final weights with the same "
         "job trained without faults (rtol 1e-5).",
         "",
-        "| fault | jobs | faults injected | of them during a checkpoint write | finished | lost | steps recomputed | damaged checkpoints skipped | corrupt checkpoints loaded | same final weights | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fault | jobs | faults injected | of them during a checkpoint write | finished | lost | losses diverged | steps recomputed | damaged or NaN checkpoints skipped | corrupt checkpoints loaded | same final weights | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['fault']} | {row['jobs']} | {row['injected']} | {row['during_checkpoint']} | {row['finished']} | {row['lost']} | "
-            f"{row['recomputed']} | {row['damaged_skipped']} | {row['corrupt_loaded']} | {row['same_weights']} | {row['seconds']} |"
+            f"{row['diverged']} | {row['recomputed']} | {row['damaged_skipped']} | {row['corrupt_loaded']} | {row['same_weights']} | {row['seconds']} |"
         )
     for fault, why in skipped.items():
-        lines.append(f"| {fault} | skipped: {why} | | | | | | | | | |")
+        lines.append(f"| {fault} | skipped: {why} | | | | | | | | | | |")
     lines += ["", "## What was done to each job", ""]
     for r in results:
         if r["fault"] == "none":
@@ -509,21 +566,37 @@ def write_report(out: Path, rows: list[dict[str, Any]], results: list[dict[str, 
         lines.append("")
         for job in r["jobs"]:
             what = [i["what"] for i in r["injected"] if i["job"] == job["name"]]
-            lines.append(f"- {job['name']}: {job['state']} after {job['attempts']} attempt(s), {job['steps_trained']} steps trained; " + ("; ".join(what) or "—"))
+            ending = f" ({job['result']})" if job["state"] != "finished" else ""
+            lines.append(
+                f"- {job['name']}: {job['state']}{ending} after {job['attempts']} attempt(s), {job['steps_trained']} steps trained; " + ("; ".join(what) or "—")
+            )
         daemon_kills = sum(1 for i in r["injected"] if i["job"] is None)
         if daemon_kills:
             lines.append(f"- the daemon was killed {daemon_kills} times and started {r['daemon_starts']} times")
         lines.append("")
     (out / "faults.md").write_text("\n".join(lines) + "\n")
+    if update_readme:
+        from readme_block import replace_block
+
+        table_end = lines.index("## What was done to each job")
+        replace_block("bench/faults.py", lines[2:table_end - 1])
     (out / "faults.json").write_text(json.dumps({"measured": when, "command": command, "summary": rows, "runs": results}, indent=1))
 
 
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    # The finally blocks stop the daemon and unmount; the temporary directory goes with them.
+    raise SystemExit(f"stopped by {signal.Signals(signum).name}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=20, help="jobs (seeds) per fault (default 20)")
     parser.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated, of {', '.join(FAULTS)} (default: all)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where faults.md and faults.json go (default bench/results)")
     parser.add_argument("--deadline", type=float, default=600, help="seconds a fault's jobs may take in all (default 600)")
+    parser.add_argument("--update-readme", action="store_true", help="also rewrite the summary in README.md's Benchmarks section")
     args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in faults if f not in FAULTS]
@@ -543,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             log(f"{fault}: done in {result['seconds']} s, {sum(j['finished'] for j in result['jobs'])} of {len(seeds)} finished")
         rows = summarize(results)
-        write_report(args.out, rows, results, command.strip(), skipped)
+        write_report(args.out, rows, results, command.strip(), skipped, update_readme=args.update_readme)
     for row in rows:
         log(json.dumps(row))
     bad = [row for row in rows if row["lost"] or row["corrupt_loaded"]]

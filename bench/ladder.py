@@ -1006,27 +1006,19 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-README_BEGIN = "<!-- bench/ladder.py summary: begin -->"
-README_END = "<!-- bench/ladder.py summary: end -->"
-
-
 def update_readme(summary: dict[str, Any]) -> None:
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
-        log("README.md has no summary markers in its Benchmarks section: not updated")
-        return
+    from readme_block import replace_block
+
     m = summary["machine"]
-    block = "\n".join([
-        README_BEGIN,
+    lines = [
         f"Measured {m['date']} on {m['cpus']} CPUs, torch {m['torch']}, accelerate {m['accelerate']}; "
         f"rungs with code: {', '.join(m['rungs_with_code'])}.",
         "",
         summary_table(summary),
-        README_END,
-    ])
-    head, rest = text.split(README_BEGIN, 1)
-    readme.write_text(head + block + rest.split(README_END, 1)[1])
+    ]
+    if not replace_block("bench/ladder.py", lines):
+        log("README.md has no summary markers in its Benchmarks section: not updated")
+        return
     log("updated the summary in README.md")
 
 

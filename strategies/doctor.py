@@ -45,6 +45,9 @@ class Policy:
     max_waits: int = 20
     # The job's own first plan: the planner searches everything reachable from it.
     initial: Plan | None = None
+    # Rungs under which the job's loss diverged (set by decide from the history): neither
+    # taken nor suggested again.
+    unsafe: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
     # A rung under which the loss diverged is unsafe for this job: never taken again.
     unsafe = unsafe_rungs(history, policy)
     if unsafe:
-        policy = dataclasses.replace(policy, allow=tuple(name for name in policy.allow if name not in unsafe))
+        policy = dataclasses.replace(policy, allow=tuple(name for name in policy.allow if name not in unsafe), unsafe=unsafe)
     # Interruptions and neighbours' spikes are not the job's doing: they do not use up its tries.
     counted = [past for past in history if past.outcome.kind != "interrupted" and contention_of(past) is None]
     if len(counted) >= policy.max_attempts:
@@ -174,15 +177,22 @@ def _after_divergence(outcome: Outcome, plan: Plan, history: Sequence[PastAttemp
         return GiveUp(reason=f"{diverged}; the job's own settings diverge: look at its learning rate and data", report=report(history, policy))
     knobs = {KNOB_OF_RUNG[name]: getattr(origin, KNOB_OF_RUNG[name]) for name in taken}
     reverted = plan.replace(**knobs)
-    diagnosis = f"{diverged}; {', '.join(taken)} marked unsafe for this job, rolled back to the newest checkpoint with finite weights"
+    diagnosis = f"{diverged}; {', '.join(taken)} marked unsafe for this job"
+    # Plans that ran out of memory, in an attempt or when measured (the probe).
     failed = {past.plan for past in history if past.outcome.kind == "oom" and contention_of(past) is None}
+    failed |= {m.plan for m in measurements_of(history) if not m.fits}
     if reverted not in failed:
-        return NextPlan(plan=reverted, rung="undo:" + "+".join(taken), reason=f"{diagnosis} -> back to [{reverted.short()}]")
-    # The plan without the unsafe rung ran out of memory before: the ladder goes on from the
-    # OOM that led to the rung, without it.
-    last_oom = next(past.outcome for past in reversed(history) if past.outcome.kind == "oom" and contention_of(past) is None)
-    decision = _after_oom(last_oom, reverted, history, policy)
-    return dataclasses.replace(decision, reason=f"{diagnosis}; then: {decision.reason}")
+        return NextPlan(
+            plan=reverted, rung="undo:" + "+".join(taken),
+            reason=f"{diagnosis} -> back to [{reverted.short()}], from the newest checkpoint whose weights are finite",
+        )
+    # The plan without the unsafe rung does not fit: the ladder goes on from it, without the
+    # rung, at the capacity the job saw last.
+    failed.add(reverted)
+    capacities = [past.outcome.memory.total for past in history if past.outcome.memory is not None and past.outcome.memory.total]
+    capacities += [m.capacity for m in measurements_of(history) if m.capacity]  # the latest last
+    decision = _plan_by_numbers(outcome, reverted, history, policy, capacities[-1], failed, diagnosis) if capacities else None
+    return decision or _walk_ladder(outcome, reverted, history, policy, failed, diagnosis)
 
 
 def steady_peak(outcome: Outcome, plan: Plan) -> int | None:
@@ -290,7 +300,7 @@ def _plan_by_numbers(
     if choice is not None:
         rungs = rungs_between(plan, choice.plan) or ("micro_batch",)
         return NextPlan(plan=choice.plan, rung="+".join(rungs), reason=f"{diagnosis} -> {choice.summary(capacity)}")
-    everything = [p for p in candidate_plans(origin, RUNG_NAMES) if p not in failed]
+    everything = [p for p in candidate_plans(origin, [n for n in RUNG_NAMES if n not in policy.unsafe]) if p not in failed]
     wider = planner.choose(origin, everything, model, capacity)
     if wider is not None:
         needed = [name for name in rungs_between(origin, wider.plan) if name not in policy.allow]
@@ -364,7 +374,9 @@ def report(history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str]
         elif o.message.strip():
             line += f" ({o.message.strip().splitlines()[-1].strip()})"
         lines.append(line)
-    not_allowed = [name for name in RUNG_NAMES if name not in policy.allow]
+    if policy.unsafe:
+        lines.append("Rungs marked unsafe for this job (its loss diverged under them): " + ", ".join(policy.unsafe) + ".")
+    not_allowed = [name for name in RUNG_NAMES if name not in policy.allow and name not in policy.unsafe]
     if not_allowed:
         lines.append("Rungs this job does not allow: " + ", ".join(not_allowed) + ".")
     # Suggest the rungs that would make a plan fit, when the memory model knows them; else

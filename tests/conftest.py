@@ -7,6 +7,7 @@ the session; they are skipped unless the tests run as root on a machine with use
 
 from __future__ import annotations
 
+import fcntl
 import grp
 import os
 import pwd
@@ -58,26 +59,44 @@ def user_exists(name: str) -> bool:
         return False
 
 
+# Test sessions that run at the same time (several engineers, or a session beside CI) share
+# the throwaway users: each holds a shared lock on this file while it uses them, and only the
+# last one to finish (the one that can turn its lock exclusive) removes them.
+_USERS_LOCK = Path(tempfile.gettempdir()) / "ogtest-users.lock"
+
+
 @pytest.fixture(scope="session")
 def accounts() -> Iterator[dict[str, Account]]:
     """alice (also in ogtest-extra), bob, carol (in ogtest-admin). Idempotent: users and groups
     left over from a crashed run are reused."""
-    for group in (EXTRA, ADMIN):
-        if not group_exists(group):
-            _sh("groupadd", group)
-    for name in (ALICE, BOB, CAROL):
-        if not user_exists(name):
-            _sh("useradd", "-M", "-U", "-s", "/usr/sbin/nologin", "-d", f"/nonexistent/{name}", name)
-    _sh("usermod", "-aG", EXTRA, ALICE)
-    _sh("usermod", "-aG", ADMIN, CAROL)
+    lock = os.open(_USERS_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # one session creates them at a time
+    try:
+        for group in (EXTRA, ADMIN):
+            if not group_exists(group):
+                _sh("groupadd", group)
+        for name in (ALICE, BOB, CAROL):
+            if not user_exists(name):
+                _sh("useradd", "-M", "-U", "-s", "/usr/sbin/nologin", "-d", f"/nonexistent/{name}", name)
+        _sh("usermod", "-aG", EXTRA, ALICE)
+        _sh("usermod", "-aG", ADMIN, CAROL)
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_SH)
     try:
         yield {name.removeprefix("ogtest-"): Account.from_name(name) for name in (ALICE, BOB, CAROL)}
     finally:
-        for name in (ALICE, BOB, CAROL):
-            subprocess.run(["userdel", name], capture_output=True, timeout=30)
-        for group in (EXTRA, ADMIN, ALICE, BOB, CAROL):  # user groups too, if userdel left them
-            if group_exists(group):
-                subprocess.run(["groupdel", group], capture_output=True, timeout=30)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            last = True
+        except BlockingIOError:
+            last = False  # another session still uses them: it removes them
+        if last:
+            for name in (ALICE, BOB, CAROL):
+                subprocess.run(["userdel", name], capture_output=True, timeout=30)
+            for group in (EXTRA, ADMIN, ALICE, BOB, CAROL):  # user groups too, if userdel left them
+                if group_exists(group):
+                    subprocess.run(["groupdel", group], capture_output=True, timeout=30)
+        os.close(lock)
 
 
 @pytest.fixture

@@ -371,7 +371,7 @@ def test_a_divergence_after_the_precision_rung_marks_it_unsafe_and_goes_back_to_
     decision = decide(DIVERGED, bf16, history, WITH_PRECISION)
     assert isinstance(decision, NextPlan) and decision.plan == START and decision.rung == "undo:precision"
     assert decision.reason.startswith("the loss diverged at step 12 under [mb=16x1 bf16] (loss is nan at step 12); precision marked unsafe")
-    assert "rolled back to the newest checkpoint with finite weights -> back to [mb=16x1]" in decision.reason
+    assert decision.reason.endswith("-> back to [mb=16x1], from the newest checkpoint whose weights are finite")
 
 
 def test_after_a_divergence_the_unsafe_rung_is_never_taken_again():
@@ -382,7 +382,7 @@ def test_after_a_divergence_the_unsafe_rung_is_never_taken_again():
     history = [PastAttempt(tight, oom(total=1024 * MiB)), PastAttempt(bf16, DIVERGED)]
     decision = decide(DIVERGED, bf16, history, WITH_PRECISION)
     assert isinstance(decision, NextPlan) and decision.plan.mixed_precision == "no" and decision.plan.optimizer == "adamw8bit"
-    assert "precision marked unsafe for this job" in decision.reason and "; then: " in decision.reason
+    assert "precision marked unsafe for this job" in decision.reason and "8-bit" in decision.reason
     history.append(PastAttempt(decision.plan, oom(total=1024 * MiB)))
     later = decide(history[-1].outcome, decision.plan, history, WITH_PRECISION)
     assert not (isinstance(later, NextPlan) and later.plan.mixed_precision != "no")
@@ -628,3 +628,15 @@ def test_a_job_at_the_edge_waits_for_the_room_it_had_not_more():
     outcome = neighbour_oom(before=0, at_oom=40 * MiB, allocated=20 * MiB, requested=4 * MiB, capacity=24 * MiB, peak=63 * MiB)
     decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
     assert isinstance(decision, Wait) and decision.free_bytes == 64 * MiB
+
+
+def test_when_nothing_fits_without_the_unsafe_rung_the_job_ends_without_suggesting_it():
+    tight = START.replace(micro_batch=1)
+    bf16 = tight.replace(mixed_precision="bf16")
+    history = [PastAttempt(tight, oom(total=1024 * MiB)), PastAttempt(bf16, DIVERGED)]
+    decision = decide(DIVERGED, bf16, history, Policy(allow=("micro_batch", "precision"), initial=START))
+    assert isinstance(decision, GiveUp)
+    assert decision.reason.startswith("the loss diverged at step 12 under [mb=1x16 bf16]") and "precision marked unsafe" in decision.reason
+    assert "Rungs marked unsafe for this job (its loss diverged under them): precision." in decision.report
+    suggestion = decision.reason.split("would, with")[-1] + decision.report.split("[ladder] allow = [")[-1]
+    assert '"precision"' not in suggestion and "precision (not allowed)" not in suggestion
