@@ -186,86 +186,97 @@ class Run:
     state_dir: Path
     workdirs: Path
     seeds: list[int]
-    rng: random.Random
+    rng_seed: int
     daemon: Daemon
     injected: list[dict[str, Any]] = field(default_factory=list)
     damages: list[Damage] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def job_dir(self, seed: int) -> Path:
         return self.workdirs / f"seed-{seed}"
 
-    def running_attempt(self, seed: int) -> dict[str, Any] | None:
-        """The attempt of job seed-N that is running now (pid of its shim, directory), if any."""
-        from oomguard.daemon.store import Store
+    def rng(self, seed: int) -> random.Random:
+        """The choices for one job: the same for every run with the same seeds."""
+        return random.Random(self.rng_seed * 100_003 + seed)
 
-        store = Store(self.state_dir / "oomguard.db", readonly=True)
-        try:
-            job = next((j for j in store.jobs() if j["name"] == f"seed-{seed}"), None)
-            if job is None or job["state"] != "running":
-                return None
-            attempts = store.attempts(job["id"])
-            last = attempts[-1] if attempts else None
-            return dict(last) if last is not None and last["ended_at"] is None and last["pid"] else None
-        finally:
-            store.close()
+    def job_over(self, seed: int) -> bool:
+        return self.done.is_set() or (self.job_dir(seed) / "final").is_dir()
+
+    def newest_attempt(self, seed: int) -> Path | None:
+        attempts = sorted((self.job_dir(seed) / "attempts").glob("[0-9]*"))
+        return attempts[-1] if attempts else None
+
+    def record(self, seed: int | None, what: str, during_checkpoint: bool = False) -> None:
+        with self.lock:
+            self.injected.append({"job": f"seed-{seed}" if seed is not None else None, "what": what, "at": time.time(), "during_checkpoint": during_checkpoint})
 
 
-def runner_of(attempt: dict[str, Any]) -> int | None:
-    """The runner process of an attempt (the shim's child running oomguard.jobs.run)."""
+def steps_done(attempt_dir: Path) -> int:
+    """Optimizer steps the attempt has reported (its metrics.jsonl gets a line per step)."""
+    try:
+        return (attempt_dir / "metrics.jsonl").read_bytes().count(b"\n")
+    except OSError:
+        return 0
+
+
+def kill_runner(run: Run, seed: int, reason: str, during_checkpoint: bool = False) -> Path | None:
+    """SIGKILL the runner of the job's newest attempt (found by the attempt's mark in its
+    environment); the attempt directory, or None when no runner was there to kill."""
     from oomguard.daemon import processes
 
-    for pid in processes.of_attempt(attempt["pid"], attempt["directory"]):
-        try:
-            if b"oomguard.jobs.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                return pid
-        except OSError:
-            continue
+    attempt = run.newest_attempt(seed)
+    pids = processes.marked_with(str(attempt)) if attempt is not None and not (attempt / "exit.json").exists() else set()
+    if not pids:
+        return None
+    processes.send(pids, signal.SIGKILL)
+    run.record(seed, f"SIGKILL runner ({reason})", during_checkpoint)
+    return attempt
+
+
+def wait_until(run: Run, seed: int, condition: Callable[[], Any], poll: float = 0.01) -> Any:
+    """The first true value of ``condition``, or None once the job is over."""
+    while not run.job_over(seed):
+        value = condition()
+        if value:
+            return value
+        time.sleep(poll)
     return None
 
 
-def step_of(attempt: dict[str, Any]) -> int:
-    try:
-        return int(json.loads((Path(attempt["directory"]) / "heartbeat.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return -1
-
-
-def kill_runner(run: Run, seed: int, reason: str, during_checkpoint: bool = False) -> bool:
-    attempt = run.running_attempt(seed)
-    pid = runner_of(attempt) if attempt else None
-    if pid is None:
-        return False
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    run.injected.append({"job": f"seed-{seed}", "what": f"SIGKILL runner ({reason})", "at": time.time(), "during_checkpoint": during_checkpoint})
-    return True
-
-
 class CheckpointWatch:
-    """Calls ``on_start(seed)`` the moment a job starts writing a checkpoint (inotify)."""
+    """inotify on every job's checkpoints folder: ``started[seed]`` is set the moment a
+    checkpoint write begins (its temporary folder appears), ``written[seed]`` holds the steps
+    of the checkpoints completed (renamed into place)."""
 
-    def __init__(self, run: Run, on_start: Callable[[int], None]) -> None:
+    def __init__(self, run: Run, on_start: Callable[[int], None] | None = None) -> None:
         from watchdog.events import FileSystemEventHandler
         from watchdog.observers import Observer
 
+        self.started = {seed: threading.Event() for seed in run.seeds}
+        self.written: dict[int, list[int]] = {seed: [] for seed in run.seeds}
         watch = self
 
         class Handler(FileSystemEventHandler):
+            def __init__(self, seed: int) -> None:
+                self.seed = seed
+
             def on_created(self, event: Any) -> None:
-                path = Path(event.src_path)
-                if event.is_directory and path.name.startswith(".tmp-step-"):
-                    seed = int(path.parent.parent.name.split("-")[1])
-                    on_start(seed)
+                if event.is_directory and Path(event.src_path).name.startswith(".tmp-step-"):
+                    watch.started[self.seed].set()
+                    if on_start is not None:
+                        on_start(self.seed)
+
+            def on_moved(self, event: Any) -> None:
+                name = Path(event.dest_path).name
+                if name.startswith("step-") and name[5:].isdigit():
+                    watch.written[self.seed].append(int(name[5:]))
 
         self.observer = Observer()
         for seed in run.seeds:
             folder = run.job_dir(seed) / "checkpoints"
             folder.mkdir(parents=True, exist_ok=True)
-            self.observer.schedule(Handler(), str(folder), recursive=False)
-        del watch
+            self.observer.schedule(Handler(seed), str(folder), recursive=False)
 
     def __enter__(self) -> CheckpointWatch:
         self.observer.start()
@@ -276,94 +287,95 @@ class CheckpointWatch:
         self.observer.join()
 
 
+def per_job(run: Run, injector: Callable[[Run, int, random.Random], None]) -> None:
+    """Run ``injector`` for every job at once, one thread each."""
+    threads = [threading.Thread(target=injector, args=(run, seed, run.rng(seed)), daemon=True) for seed in run.seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def inject_kill_runner(run: Run) -> None:
-    kills_left = {seed: run.rng.randint(1, 3) for seed in run.seeds}
-    # Each kill: at a random step, or when the next checkpoint write starts.
-    modes = {seed: [run.rng.choice(["step", "checkpoint"]) for _ in range(kills_left[seed])] for seed in run.seeds}
-    targets = {seed: run.rng.randint(1, MAX_STEPS - 1) for seed in run.seeds}
-    lock = threading.Lock()
+    with CheckpointWatch(run) as watch:
 
-    def on_checkpoint(seed: int) -> None:
-        with lock:
-            if modes[seed] and modes[seed][0] == "checkpoint" and kill_runner(run, seed, "while it writes a checkpoint", during_checkpoint=True):
-                modes[seed].pop(0)
+        def one_job(run: Run, seed: int, rng: random.Random) -> None:
+            killed: Path | None = None
+            for _ in range(rng.randint(1, 2)):
+                if rng.random() < 0.5:
+                    # At a random moment of training: a new attempt that has done a step.
+                    attempt = wait_until(run, seed, lambda: (a := run.newest_attempt(seed)) and a != killed and steps_done(a) > 0 and a)
+                    if attempt is None:
+                        return
+                    time.sleep(rng.uniform(0.0, 0.5))
+                    killed = kill_runner(run, seed, f"after step {steps_done(attempt)}") or killed
+                else:
+                    # The moment its next checkpoint write begins.
+                    watch.started[seed].clear()
+                    if wait_until(run, seed, watch.started[seed].is_set, poll=0.002) is None:
+                        return
+                    killed = kill_runner(run, seed, "while it writes a checkpoint", during_checkpoint=True) or killed
 
-    with CheckpointWatch(run, on_checkpoint):
-        while not run.done.is_set():
-            for seed in run.seeds:
-                with lock:
-                    if not modes[seed] or modes[seed][0] != "step":
-                        continue
-                    attempt = run.running_attempt(seed)
-                    if attempt and step_of(attempt) >= targets[seed] and kill_runner(run, seed, f"at step {step_of(attempt)}"):
-                        modes[seed].pop(0)
-                        targets[seed] = run.rng.randint(1, MAX_STEPS - 1)
-            time.sleep(0.05)
+        per_job(run, one_job)
 
 
 def inject_kill_daemon(run: Run) -> None:
-    while not run.done.wait(run.rng.uniform(0.5, 4.0)):
+    rng = run.rng(-1)
+    while not run.done.wait(rng.uniform(0.5, 4.0)):
         run.daemon.kill()
-        run.injected.append({"job": None, "what": "SIGKILL daemon", "at": time.time()})
+        run.record(None, "SIGKILL daemon")
         run.daemon.start()
 
 
-def damage_newest(run: Run, seed: int) -> Damage | None:
-    from oomguard.jobs import checkpoints
-
-    found = checkpoints.candidates(run.job_dir(seed) / "checkpoints")
-    if not found:
-        return None
-    newest = found[0]
-    files = sorted(p for p in newest.iterdir() if p.is_file())
-    target = run.rng.choice(files)
-    how = run.rng.choice(["truncate", "overwrite", "delete"])
+def damage(run: Run, seed: int, rng: random.Random, checkpoint: Path) -> Damage:
+    files = sorted(p for p in checkpoint.iterdir() if p.is_file())
+    target = rng.choice(files)
+    how = rng.choice(["truncate", "overwrite", "delete"])
     if how == "truncate":
         with target.open("r+b") as f:
             f.truncate(target.stat().st_size // 2)
     elif how == "overwrite":
         data = bytearray(target.read_bytes())
         if data:
-            data[run.rng.randrange(len(data))] ^= 0xFF
+            data[rng.randrange(len(data))] ^= 0xFF
         target.write_bytes(bytes(data))
     else:
         target.unlink()
-    step = checkpoints._step_of(newest) or 0  # noqa: SLF001 - the step its name holds
-    return Damage(job=f"seed-{seed}", step=step, how=f"{how} {target.name}", at=time.time())
+    return Damage(job=f"seed-{seed}", step=int(checkpoint.name[5:]), how=f"{how} {target.name}", at=time.time())
 
 
 def inject_corrupt_checkpoint(run: Run) -> None:
-    pending = {seed: run.rng.randint(CHECKPOINT_EVERY, MAX_STEPS - 2) for seed in run.seeds}
-    while not run.done.is_set() and pending:
-        for seed, after in list(pending.items()):
-            attempt = run.running_attempt(seed)
-            if attempt is None or step_of(attempt) < after:
-                continue
-            # Stop the runner first so that it cannot prune or rewrite what is damaged next.
-            if not kill_runner(run, seed, "after damaging its newest checkpoint"):
-                continue
-            damage = damage_newest(run, seed)
-            if damage is not None:
-                run.damages.append(damage)
-                run.injected.append({"job": damage.job, "what": f"damaged checkpoint step {damage.step}: {damage.how}", "at": damage.at})
-            del pending[seed]
-        time.sleep(0.05)
+    from oomguard.jobs import checkpoints
+
+    with CheckpointWatch(run) as watch:
+
+        def one_job(run: Run, seed: int, rng: random.Random) -> None:
+            # Right after a checkpoint chosen by the seed is written: stop the runner (so that
+            # it cannot prune or rewrite it), damage the newest checkpoint, and let the next
+            # attempt choose.
+            target = rng.choice(range(CHECKPOINT_EVERY, MAX_STEPS, CHECKPOINT_EVERY))
+            if wait_until(run, seed, lambda: target in watch.written[seed], poll=0.002) is None:
+                return
+            if kill_runner(run, seed, f"after its checkpoint of step {target}") is None:
+                return
+            newest = checkpoints.candidates(run.job_dir(seed) / "checkpoints")[0]
+            broken = damage(run, seed, rng, newest)
+            with run.lock:
+                run.damages.append(broken)
+            run.record(seed, f"damaged checkpoint step {broken.step}: {broken.how}")
+
+        per_job(run, one_job)
 
 
 def inject_disk_full(run: Run) -> None:
     filler = run.workdirs / "filler"
-    fills = {seed: 1 for seed in run.seeds}
-    lock = threading.Lock()
-    full_for: list[dict[str, Any]] = []
+    full_during: list[tuple[Path, float]] = []  # the attempt whose checkpoint write found the disk full, and when
 
     def fill(seed: int) -> None:
-        with lock:
-            if fills[seed] == 0 or full_for:
-                return
-            attempt = run.running_attempt(seed)
-            if attempt is None:
-                return
-            fills[seed] -= 1
+        with run.lock:
+            attempt = run.newest_attempt(seed)
+            if full_during or attempt is None or any(i["job"] == f"seed-{seed}" for i in run.injected):
+                return  # one fill per job, one at a time
             with filler.open("ab") as out:
                 try:
                     while True:
@@ -371,18 +383,19 @@ def inject_disk_full(run: Run) -> None:
                         out.flush()
                 except OSError:
                     pass  # the disk is full
-            full_for.append(attempt)
+            full_during.append((attempt, time.monotonic()))
             run.injected.append({"job": f"seed-{seed}", "what": "filled the disk while it writes a checkpoint", "at": time.time(), "during_checkpoint": True})
 
-    with CheckpointWatch(run, fill):
+    from oomguard.daemon import processes
+
+    with CheckpointWatch(run, on_start=fill):
         while not run.done.is_set():
-            with lock:
-                if full_for:
-                    attempt = full_for[0]
-                    still = run.running_attempt(int(attempt["directory"].split("seed-")[1].split("/")[0]))
-                    if still is None or still["id"] != attempt["id"] or time.time() - attempt["started_at"] > 60:
-                        filler.unlink(missing_ok=True)
-                        full_for.clear()
+            with run.lock:
+                # Free the disk once the attempt that met the full disk has ended (its
+                # processes are gone: with the disk full its shim may write no exit.json).
+                if full_during and (not processes.marked_with(str(full_during[0][0])) or time.monotonic() - full_during[0][1] > 60):
+                    filler.unlink(missing_ok=True)
+                    full_during.clear()
             time.sleep(0.05)
     filler.unlink(missing_ok=True)
 
@@ -414,7 +427,7 @@ def run_fault(fault: str, seeds: list[int], base: Path, rng_seed: int, deadline_
     setting = SETTINGS.get(fault, Setting())
     env = {**os.environ, **THREAD_ENV, **dict(setting.env)}
     daemon = Daemon(state_dir, env, setting.daemon_args)
-    run = Run(fault, state_dir, workdirs, seeds, random.Random(rng_seed), daemon)
+    run = Run(fault, state_dir, workdirs, seeds, rng_seed, daemon)
     started = time.monotonic()
     try:
         daemon.start()

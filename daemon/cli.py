@@ -67,11 +67,28 @@ def open_store(state_dir: Path) -> tuple[StateDir, Store]:
     state = StateDir(state_dir)
     if state.database.exists() and not os.access(state.database, os.W_OK):
         return state, Store(state.database, readonly=True)
+    return create_state_dir(state_dir), Store(state.database)
+
+
+def create_state_dir(state_dir: Path) -> StateDir:
+    # Any OSError, not only PermissionError: a --state-dir that is a file (NotADirectoryError)
+    # ended `status`, `submit` and `daemon` with a traceback.
     try:
-        state.create()
-    except PermissionError as error:
-        raise CliError(f"cannot use the state directory {state_dir} ({error.strerror}); is --state-dir right?") from None
-    return state, Store(state.database)
+        return StateDir(state_dir).create()
+    except OSError as error:
+        raise CliError(f"cannot use the state directory {state_dir} ({error.strerror or error}); is --state-dir right?") from None
+
+
+def find_job(store: Store, key: str) -> dict[str, Any]:
+    """The job a user names on the command line (an id or a name). A key of digits that is no
+    possible id ("99999999999999999999", or "\u00b2", a digit to str.isdigit) is "no such job"
+    (exit 3), not the OverflowError or ValueError the store raised for it."""
+    from oomguard.daemon.spool import job_key_problem
+
+    problem = job_key_problem(key)
+    if problem:
+        raise JobNotFound(problem)
+    return store.job(key)
 
 
 def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:
@@ -209,7 +226,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     from oomguard.daemon.report import ReportError, draw_report, load_report
 
     _, store = open_store(args.state_dir)
-    job = store.job(args.job)
+    job = find_job(store, args.job)
     out = Path(args.output) if args.output else Path(f"oomguard-job-{job['id']}.png")
     try:
         written = draw_report(load_report(job, store.attempts(job["id"]), store.events(job["id"])), out)
@@ -260,7 +277,7 @@ def _short_plan(plan: dict[str, Any]) -> str:
 
 def cmd_show(args: argparse.Namespace) -> int:
     _, store = open_store(args.state_dir)
-    record = job_record(store, store.job(args.job))
+    record = job_record(store, find_job(store, args.job))
     if args.json:
         print(json.dumps(record, indent=2))
         return EXIT_OK
@@ -296,7 +313,7 @@ def _print_runner_record(outcome: dict[str, Any]) -> None:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     _, store = open_store(args.state_dir)
-    job = store.job(args.job)
+    job = find_job(store, args.job)
     printed: dict[str, int] = {}
     while True:
         for attempt in store.attempts(job["id"]):
@@ -327,7 +344,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     from oomguard.daemon.spool import request_text, write_to_inbox
 
     state, store = open_store(args.state_dir)
-    job = store.job(args.job)
+    job = find_job(store, args.job)
     if job["state"] in TERMINAL_STATES:
         raise CliError(f"job {job['id']} ({job['name']}) has already ended: {job['state']}", EXIT_FAILED)
     spooled = write_to_inbox(state.inbox, f"cancel-{job['id']}", request_text("cancel", str(job["id"])), suffix=".request")
@@ -457,7 +474,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
     if args.max_parallel is not None and args.max_parallel < 1:
         raise CliError(f"--max-parallel must be at least 1, got {args.max_parallel}")
-    state = StateDir(args.state_dir).create()
+    state = create_state_dir(args.state_dir)
     state.secrets.mkdir(mode=0o700, exist_ok=True)
     lock = _Lock(state.root / "daemon.lock")
     try:

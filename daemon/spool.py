@@ -15,9 +15,11 @@ answers them in the store, checking the requester (the file's owner) may change 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from watchdog.events import FileClosedEvent, FileMovedEvent, FileSystemEvent, Fi
 from watchdog.observers import Observer
 
 from oomguard.daemon.users import Account, PermissionRefused, read_owned_file
-from oomguard.jobs.spec import JobFileError, JobSpec, parse_job_text
+from oomguard.jobs.spec import MAX_JOB_FILE_BYTES, JobFileError, JobSpec, parse_job_text
 
 BASE_DIR_HEADER = "# oomguard-base-dir: "
 # A file found by the periodic rescan (not by an event) is read only once it is this old, so a
@@ -36,6 +38,45 @@ SETTLE_SECONDS = 2.0
 
 
 REQUEST_SUFFIX = ".request"
+# What the spool reads of an inbox file: a job file `oomguard submit` accepted, plus the header
+# line it adds (a folder path of at most PATH_MAX bytes).
+READ_LIMIT = MAX_JOB_FILE_BYTES + len(BASE_DIR_HEADER) + 4096 + 1
+# Inbox names longer than this are renamed before they are read: the spool adds up to 7
+# characters (accepted/NNNNNN-NAME, rejected/NAME.error), and a name may have 255 bytes at most.
+MAX_NAME_BYTES = 200
+# Job ids are SQLite integers.
+_MAX_JOB_ID = 2**63 - 1
+
+
+def safe_name(name: str) -> str | None:
+    """None when ``name`` can be stored, printed and extended as it is; else a name that can:
+    UTF-8, printable, at most MAX_NAME_BYTES, with the same suffix and a hash of the original.
+
+    Why: a file named with bytes that are not UTF-8 (b"\\xff.toml") reached SQLite and the
+    daemon's log as a lone surrogate and raised UnicodeEncodeError twice, the second time out of
+    the daemon's loop: any user could stop the daemon by dropping such a file in the inbox. A
+    255-byte name could not get its ".error" beside it in rejected/ (ENAMETOOLONG)."""
+    try:
+        fits = name.isprintable() and len(name.encode("utf-8")) <= MAX_NAME_BYTES
+    except UnicodeEncodeError:
+        fits = False
+    if fits:
+        return None
+    raw = os.fsencode(name)
+    suffix = next((end for end in (REQUEST_SUFFIX, ".toml") if name.endswith(end)), "")
+    stem = raw[: len(raw) - len(suffix)].decode("utf-8", "replace")
+    stem = "".join(c if c.isprintable() and c != "\ufffd" else "_" for c in stem)
+    stem = stem.encode("utf-8")[:120].decode("utf-8", "ignore").lstrip(".") or "_"
+    return f"{stem}-{hashlib.sha256(raw).hexdigest()[:12]}{suffix}"
+
+
+def job_key_problem(job: str) -> str | None:
+    """Why ``job`` (an id or a name) cannot name any job, or None. A string of digits is an id
+    and must be an ASCII number SQLite can hold: "99999999999999999999" raised OverflowError and
+    "\u00b2" (a digit to str.isdigit) ValueError in the store, not "no such job"."""
+    if job.isdigit() and not (job.isascii() and len(job) <= 19 and int(job) <= _MAX_JOB_ID):
+        return f"no job {job!r}: a job id is a whole number from 1 to {_MAX_JOB_ID} in ASCII digits; `oomguard status` lists the jobs"
+    return None
 
 
 def spool_text(job_file: Path) -> str:
@@ -46,6 +87,9 @@ def spool_text(job_file: Path) -> str:
 def write_to_inbox(inbox: Path, stem: str, text: str, suffix: str = ".toml") -> Path:
     """Atomically place ``text`` in the inbox under a unique name; returns its final path.
     The file is readable by its owner only: on a shared box others may guess its name."""
+    # The user's file name is only a hint in a unique name: kept to safe characters and short
+    # (a 250-character file name made the temporary name too long: OSError in `submit`).
+    stem = re.sub(r"[^A-Za-z0-9._-]", "_", stem)[:100]
     stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{stem}"
     temporary = inbox / f".{stem}.tmp"
     descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -73,6 +117,13 @@ def parse_spooled(path: Path, display_name: str | None = None, text: str | None 
         # Drop the header so that line numbers in TOML errors match the user's file.
         first_line, _, text = text.partition("\n")
         base_dir = Path(first_line[len(BASE_DIR_HEADER):].strip())
+        # A header written by hand: "~nosuchuser" (RuntimeError) or a NUL (ValueError) in it
+        # escaped as errors other than JobFileError.
+        if not base_dir.is_absolute() or "\x00" in str(base_dir):
+            raise JobFileError(
+                display_name or path.name, None,
+                f"its first line {first_line[:200]!r} must name an absolute folder (`oomguard submit` writes it); remove the line",
+            )
     return parse_job_text(text, display_name or path.name, base_dir=base_dir)
 
 
@@ -146,7 +197,9 @@ class Spool:
         now = time.time()
         inbox = self.inbox.resolve()
         with os.scandir(inbox) as entries:
-            names = sorted(entry.name for entry in entries if not entry.name.startswith(".") and not entry.is_dir(follow_symlinks=False))
+            # Directories too (a folder named x.toml): they used to stay in the inbox for ever,
+            # unanswered; take() refuses them like every other file that is not a regular file.
+            names = sorted(entry.name for entry in entries if not entry.name.startswith("."))
         for name in names:
             # Never resolved: a symbolic link is offered as itself, and refused by take().
             path = inbox / name
@@ -158,7 +211,8 @@ class Spool:
             self._ready.put(path)
 
     def pending(self) -> list[Path]:
-        """Inbox files to look at now (each at most once; missing ones are dropped)."""
+        """Inbox files to look at now (each at most once; missing ones are dropped). A file
+        whose name the daemon could not store or print is renamed first (:func:`safe_name`)."""
         # The rescan is a safety net for events the observer missed (e.g. an overflowed
         # inotify queue); watchdog normally reports a file within milliseconds.
         if time.monotonic() - self._last_scan >= self.rescan_seconds:
@@ -169,9 +223,28 @@ class Spool:
                 path = self._ready.get_nowait()
             except queue.Empty:
                 break
-            if path not in seen and os.path.lexists(path):
+            if not os.path.lexists(path):
+                continue
+            renamed = safe_name(path.name)
+            if renamed is not None:
+                path = self._rename(path, renamed)
+                if path is None:
+                    continue
+            if path not in seen:
                 seen.append(path)
         return seen
+
+    def _rename(self, path: Path, name: str) -> Path | None:
+        """``path`` renamed to ``name`` in the inbox (never over another file); None if it has gone."""
+        target, number = path.with_name(name), 1
+        while os.path.lexists(target):
+            number += 1
+            target = path.with_name(f"{number}-{name}")
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:
+            return None
+        return target
 
     def take(self, path: Path) -> Arrival | Request | Rejection:
         """Validate one inbox file; a bad one is moved out of the inbox at once."""
@@ -179,19 +252,38 @@ class Spool:
             raise ValueError(f"{path} is not in the inbox {self.inbox}")
         try:
             # Owner and content from one open file: it cannot be swapped in between.
-            owner, raw = read_owned_file(path)
-        except (PermissionRefused, OSError) as error:
+            owner, raw = read_owned_file(path, limit=READ_LIMIT)
+        except FileNotFoundError:
+            # Taken back by its owner between the event and now: nothing to read or move.
+            return self.reject(path, f"{path.name}: removed from the inbox before the daemon read it; submit it again to run it")
+        except PermissionRefused as error:
             return self.reject(path, str(error))
+        except OSError as error:  # e.g. a socket (ENXIO): say what belongs in the inbox
+            return self.reject(
+                path, f"{path.name}: cannot be read ({error.strerror or error}); only job files (regular TOML files) "
+                "and `oomguard cancel` requests belong in the inbox",
+            )
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as error:
             return self.reject(path, f"{path.name}: not valid UTF-8 text ({error.reason})")
         if path.name.endswith(REQUEST_SUFFIX):
+            not_a_request = f"{path.name}: not a request (expected JSON with action and job; `oomguard cancel` writes them)"
             try:
                 data = json.loads(text)
-                return Request(requester=owner, action=str(data["action"]), job=str(data["job"]), spool_file=path.name)
-            except (ValueError, KeyError, TypeError):
-                return self.reject(path, f"{path.name}: not a request (expected JSON with action and job; `oomguard cancel` writes them)")
+            except (ValueError, RecursionError):  # RecursionError: "[[[[..." a few thousand deep
+                return self.reject(path, not_a_request)
+            # Only strings (and a job id as a number) become a request: a list or a lone
+            # surrogate ("\ud800") reached SQLite and failed there instead of being refused.
+            action, job = (data.get("action"), data.get("job")) if isinstance(data, dict) else (None, None)
+            if isinstance(job, int) and not isinstance(job, bool):
+                job = str(job) if job >= 0 else None
+            if not (isinstance(action, str) and isinstance(job, str) and _encodable(action) and _encodable(job)):
+                return self.reject(path, not_a_request)
+            problem = job_key_problem(job)
+            if problem:
+                return self.reject(path, f"{path.name}: {problem}")
+            return Request(requester=owner, action=action, job=job, spool_file=path.name)
         try:
             spec = parse_spooled(path, text=text)
         except JobFileError as error:
@@ -209,6 +301,25 @@ class Spool:
 
     def reject(self, path: Path, error: str) -> Rejection:
         destination = self.rejected / path.name
-        shutil.move(str(path), destination)
-        destination.with_name(destination.name + ".error").write_text(error + "\n")
+        # A directory (moved in as x.toml) is never moved into, or over, what rejected/
+        # already holds: it gets a name of its own (x.toml.2) and so does its .error file.
+        number = 1
+        while (os.path.isdir(destination) or os.path.isdir(f"{destination}.error")
+               or (os.path.isdir(path) and os.path.lexists(destination))):
+            number += 1
+            destination = self.rejected / f"{path.name}.{number}"
+        try:
+            shutil.move(str(path), destination)
+        except FileNotFoundError:
+            pass  # gone already (its owner took it back): the .error still says why it was refused
+        error_file = destination.with_name(destination.name + ".error")
+        error_file.write_text(error + "\n", encoding="utf-8", errors="backslashreplace")
         return Rejection(file=path.name, error=error)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -71,7 +71,12 @@ _RUNG_NEEDS: dict[str, tuple[str, ...]] = {
 
 
 class CommandError(ValueError):
-    """A [command] table that cannot be run; str() says what and how to fix it."""
+    """A [command] table that cannot be run; str() says what and how to fix it. ``where`` is
+    the key in [command] it concerns: "argv", "when.KNOB" or "env.NAME"."""
+
+    def __init__(self, message: str, where: str = "argv") -> None:
+        super().__init__(message)
+        self.where = where
 
 
 @dataclass(frozen=True)
@@ -107,23 +112,41 @@ class CommandSpec:
         return names
 
 
-def placeholders_in(argument: str) -> set[str]:
+def placeholders_in(argument: str, where: str = "argv") -> set[str]:
     """The placeholder names in one argument; CommandError for a malformed one."""
     try:
         return {name for _, name, _, _ in string.Formatter().parse(argument) if name is not None}
     except ValueError as error:
-        raise CommandError(f"argument {argument!r} is not a valid template ({error}); write {{{{ and }}}} for literal braces") from None
+        raise CommandError(f"argument {argument!r} is not a valid template ({error}); write {{{{ and }}}} for literal braces", where) from None
 
 
 def check(command: CommandSpec) -> None:
-    """Every placeholder known, every [command.when] key known."""
-    for name in sorted(command.placeholders()):
-        if name not in PLACEHOLDERS or not re.fullmatch(r"[a-z_]+", name):
-            known = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
-            raise CommandError(f"unknown placeholder {{{name}}} (known: {known})")
+    """Every placeholder known and bare, every [command.when] key known. The error says where
+    (``where``): an unknown placeholder in [command.env] used to be reported as command.argv."""
+    places = [
+        *(("argv", argument) for argument in command.argv),
+        *((f"when.{knob}", argument) for knob, arguments in command.when for argument in arguments),
+        *((f"env.{name}", value) for name, value in command.env),
+    ]
+    for where, argument in places:
+        for name in sorted(placeholders_in(argument, where)):
+            if name not in PLACEHOLDERS or not re.fullmatch(r"[a-z_]+", name):
+                known = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
+                raise CommandError(f"unknown placeholder {{{name}}} (known: {known})", where)
+        # A conversion or format spec passed str.format here and took effect at every attempt's
+        # start: "{micro_batch:>99999999}" built a 100 MB argument (execve refuses it: E2BIG),
+        # "{lora_rank:d}" raised ValueError (the values are strings), "{workdir!r}" quoted the path.
+        for _, name, spec, conversion in string.Formatter().parse(argument):
+            if name is not None and (spec or conversion):
+                written = f"{{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
+                raise CommandError(
+                    f"placeholder {written} in {argument!r} has a conversion or format spec; write just {{{name}}} "
+                    f"(oomguard puts the value in as it is)",
+                    where,
+                )
     for knob, _ in command.when:
         if knob not in WHEN_KNOBS:
-            raise CommandError(f"unknown [command.when] knob {knob!r} (known: {', '.join(WHEN_KNOBS)})")
+            raise CommandError(f"unknown [command.when] knob {knob!r} (known: {', '.join(WHEN_KNOBS)})", f"when.{knob}")
 
 
 def exposed_rungs(command: CommandSpec) -> tuple[str, ...]:

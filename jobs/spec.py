@@ -34,6 +34,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -156,6 +157,20 @@ _SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
     "command.when": tuple(WHEN_KNOBS),
     # [command.env] takes any variable name: checked one by one.
 }
+# A job file is a few hundred bytes; the spool reads at most this much of one (plus the header
+# line `submit` adds: daemon/spool.py READ_LIMIT), so `oomguard submit` refuses a bigger file
+# instead of placing one the daemon would reject, and never reads /dev/zero until memory runs out.
+MAX_JOB_FILE_BYTES = 1 << 20
+# The ladder's planner looks at every micro-batch size of the batch for every shape of plan
+# (strategies/planner.py candidate_plans): at a batch of 16384 with every rung allowed that is
+# 2 million plans and more than a minute of the daemon's time (its systemd watchdog is 60 s),
+# at a batch of 10**12 it never ends. Refused at submit time instead of hanging the daemon.
+MAX_BATCH_SIZE = 4096
+# Integers that end up in SQLite columns (priority) must fit its 64-bit integers; a seed must
+# fit torch.manual_seed (0 .. 2**64 - 1).
+_INT64 = (-(2**63), 2**63 - 1)
+_MAX_SEED = 2**64 - 1
+
 # Keys people reach for that have a better home.
 _SPECIAL_HINTS: dict[str, str] = {
     "sample_size": "the trainer sets it from data.resolution",
@@ -163,6 +178,9 @@ _SPECIAL_HINTS: dict[str, str] = {
 
 
 # ----------------------------------------------------------------------------- errors
+
+
+_CONTROL_ESCAPES = {c: ascii(chr(c))[1:-1] for c in (*range(32), 127)}
 
 
 class JobFileError(ValueError):
@@ -173,7 +191,11 @@ class JobFileError(ValueError):
     """
 
     def __init__(self, path: str | os.PathLike[str], key: str | None, problem: str) -> None:
-        path = os.fspath(path)
+        # One line, always: a key, path or placeholder with a newline in it (all legal in TOML)
+        # made a message of two lines, whose second could pass for a line of the daemon's log.
+        path = os.fspath(path).translate(_CONTROL_ESCAPES)
+        key = key.translate(_CONTROL_ESCAPES) if key is not None else None
+        problem = problem.translate(_CONTROL_ESCAPES)
         super().__init__(path, key, problem)
         self.path = path
         self.key = key
@@ -489,13 +511,27 @@ def load_job_file(path: str | os.PathLike[str]) -> JobSpec:
     if p.is_dir():
         raise JobFileError(display, None, "is a directory, not a job file")
     try:
-        raw = p.read_bytes()
+        # A FIFO would block the read until someone writes, and /dev/zero never ends: only a
+        # regular file is read, and at most MAX_JOB_FILE_BYTES of it.
+        st = os.stat(p)
+        if not stat.S_ISREG(st.st_mode):
+            raise JobFileError(display, None, "is not a regular file (a FIFO, device or socket); give the path of a job file (TOML)")
+        if st.st_size > MAX_JOB_FILE_BYTES:
+            raise JobFileError(display, None, _too_big(st.st_size))
+        with open(p, "rb") as handle:
+            raw = handle.read(MAX_JOB_FILE_BYTES + 1)
+        if len(raw) > MAX_JOB_FILE_BYTES:
+            raise JobFileError(display, None, _too_big(len(raw)))
+    except JobFileError:
+        raise
     except FileNotFoundError:
         raise JobFileError(display, None, "job file not found") from None
     except PermissionError:
         raise JobFileError(display, None, "cannot read job file: permission denied") from None
     except OSError as e:
         raise JobFileError(display, None, f"cannot read job file: {e.strerror or e}") from None
+    except ValueError:  # a NUL in the path
+        raise JobFileError(display, None, "job file not found (the path contains a NUL character)") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -505,6 +541,13 @@ def load_job_file(path: str | os.PathLike[str]) -> JobSpec:
     absolute = p.expanduser().resolve()
     ctx = _Ctx(display, absolute.parent, check_files=True)
     return _parse_text(ctx, text, str(absolute))
+
+
+def _too_big(size: int) -> str:
+    return (
+        f"is {size} bytes; a job file may have at most {MAX_JOB_FILE_BYTES} (1 MiB): "
+        "keep data, models and long lists in the files and folders it names"
+    )
 
 
 def parse_job_text(
@@ -759,9 +802,24 @@ def _parse_text(ctx: _Ctx, text: str, source_path: str | None) -> JobSpec:
         text = text[1:]
     if not text.strip():
         raise ctx.fail(None, "empty job file (expected at least name, trainer, [data], [model] and [train])")
+    if "\x00" in text:
+        # tomllib names it only as "Illegal character '\x00'"; a NUL is the sign of a binary
+        # or UTF-16 file.
+        line = text[: text.index("\x00")].count("\n") + 1
+        raise ctx.fail(None, f"not a text file: NUL byte on line {line} (binary, or UTF-16; save the job file as UTF-8 text)")
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
+        raise ctx.fail(None, f"not valid TOML: {e}") from None
+    except RecursionError:
+        # tomllib parses nested arrays and inline tables recursively: [[[[...]]]] a few
+        # thousand deep raised RecursionError, which is no JobFileError.
+        raise ctx.fail(None, "not valid TOML for a job: arrays or inline tables nested too deeply") from None
+    except ValueError as e:
+        # int() of an integer of more than 4300 digits (sys.get_int_max_str_digits) raised
+        # a plain ValueError inside tomllib.
+        if "digits" in str(e):
+            raise ctx.fail(None, "not valid TOML for a job: an integer with thousands of digits") from None
         raise ctx.fail(None, f"not valid TOML: {e}") from None
     if not raw:
         raise ctx.fail(None, "empty job file (expected at least name, trainer, [data], [model] and [train])")
@@ -782,9 +840,11 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
         hint = _did_you_mean(trainer, trainers)
         raise top.fail("trainer", f"unknown trainer '{trainer}' (expected one of: {', '.join(trainers)}){hint}")
     priority = top.int("priority", default=0)
+    if not _INT64[0] <= priority <= _INT64[1]:  # it is an SQLite column: OverflowError in the daemon
+        raise top.fail("priority", f"expected an integer in {_INT64[0]}..{_INT64[1]}, found {priority}")
     workdir = top.str("workdir", default=None)
     if workdir is not None:
-        workdir = str(_resolve(ctx, workdir))
+        workdir = str(_resolve(ctx, workdir, "workdir"))
     is_command = trainer == COMMAND_TRAINER
     command = None
     if is_command:
@@ -837,11 +897,21 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
     )
 
 
-def _resolve(ctx: _Ctx, text: str) -> Path:
-    p = Path(text).expanduser()
+def _resolve(ctx: _Ctx, text: str, key: str) -> Path:
+    # A NUL (ValueError), "~nosuchuser" (RuntimeError) and a name longer than the file system
+    # allows (OSError) used to escape as exceptions other than JobFileError.
+    if "\x00" in text:
+        raise ctx.fail(key, "contains a NUL character (\\u0000), which no path can hold; remove it")
+    try:
+        p = Path(text).expanduser()
+    except RuntimeError:
+        raise ctx.fail(key, f"cannot expand {_render(text)}: no such user's home directory; give the full path") from None
     if not p.is_absolute():
         p = ctx.base_dir / p
-    return p.resolve()
+    try:
+        return p.resolve()
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the base folder
+        raise ctx.fail(key, f"cannot use path {_render(text)}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def _has_image(folder: Path) -> bool:
@@ -859,12 +929,16 @@ def _parse_data(ctx: _Ctx, s: _Section) -> DataSpec:
             raise s.fail("source", f"synthetic:N needs an integer N >= 1, found {_render(source)}")
         source = f"{SYNTHETIC_PREFIX}{int(count)}"
     else:
-        folder = _resolve(ctx, source)
+        folder = _resolve(ctx, source, s.key("source"))
         if ctx.check_files:
             where = "(expected an image folder or synthetic:N)"
-            if not folder.exists():
+            try:
+                exists, is_dir = folder.exists(), folder.is_dir()
+            except OSError as e:  # e.g. a name too long, or a folder the user may not search
+                raise s.fail("source", f"cannot look at folder {_render(str(folder))}: {e.strerror or e} {where}") from None
+            if not exists:
                 raise s.fail("source", f"folder {folder} does not exist {where}")
-            if not folder.is_dir():
+            if not is_dir:
                 raise s.fail("source", f"{folder} is not a folder {where}")
             if not _has_image(folder):
                 exts = ", ".join(IMAGE_EXTENSIONS)
@@ -967,9 +1041,17 @@ def _parse_model(ctx: _Ctx, s: _Section, resolution: int | None) -> ModelSpec:
 
 def _parse_train(ctx: _Ctx, s: _Section) -> TrainSpec:
     batch_size = s.int("batch_size", minimum=1)
+    if batch_size > MAX_BATCH_SIZE:
+        raise s.fail(
+            "batch_size",
+            f"expected an integer in 1..{MAX_BATCH_SIZE}, found {batch_size} (the ladder weighs every micro-batch size of "
+            f"the batch; larger batches are not supported: lower it and raise max_steps)",
+        )
     max_steps = s.int("max_steps", minimum=1)
     learning_rate = s.number("learning_rate", gt=0.0, default=None)
     seed = s.int("seed", minimum=0, default=0)
+    if seed > _MAX_SEED:  # torch.manual_seed refuses it: every attempt would crash
+        raise s.fail("seed", f"expected an integer in 0..{_MAX_SEED} (2**64 - 1), found {seed}")
     mixed_precision = s.choice("mixed_precision", MIXED_PRECISIONS, default="no")
     checkpoint_every_steps = s.int("checkpoint_every_steps", minimum=1, default=max(1, max_steps // 10))
     checkpoint_every_seconds = s.number("checkpoint_every_seconds", gt=0.0, default=None)
@@ -1059,9 +1141,14 @@ def _parse_command(ctx: _Ctx, s: _Section) -> CommandSpec:
         )
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and a for a in argv):
         raise s.fail("argv", f"expected a non-empty list of non-empty strings, found {_describe(argv)}")
+    # execve() cannot pass a NUL: such an argument used to be accepted here and fail at every
+    # attempt's start (ValueError: embedded null byte) instead of at submit time.
+    for number, argument in enumerate(argv, 1):
+        if "\x00" in argument:
+            raise s.fail("argv", f"argument {number} ({_render(argument)}) contains a NUL character (\\u0000), which no program can receive; remove it")
     cwd = s.str("cwd", default=None)
     if cwd is not None:
-        cwd = str(_resolve(ctx, cwd))
+        cwd = str(_resolve(ctx, cwd, s.key("cwd")))
     env_section = s.table("env", required=False)
     env: dict[str, str] = {}
     if env_section is not None:
@@ -1070,6 +1157,8 @@ def _parse_command(ctx: _Ctx, s: _Section) -> CommandSpec:
                 raise env_section.fail(str(name), "not an environment variable name (letters, digits and _, not starting with a digit)")
             if not isinstance(value, str):
                 raise env_section.fail(str(name), f"expected a string, found {_describe(value)}")
+            if "\x00" in value:
+                raise env_section.fail(str(name), "contains a NUL character (\\u0000), which no environment variable can hold; remove it")
             env[str(name)] = value
     when_section = s.table("when", required=False)
     when: dict[str, tuple[str, ...]] = {}
@@ -1080,15 +1169,20 @@ def _parse_command(ctx: _Ctx, s: _Section) -> CommandSpec:
                 arguments = [arguments]
             if not isinstance(arguments, list) or not all(isinstance(a, str) and a for a in arguments):
                 raise when_section.fail(knob, f"expected a list of arguments, found {_describe(arguments)}")
+            if any("\x00" in a for a in arguments):
+                raise when_section.fail(knob, "an argument contains a NUL character (\\u0000), which no program can receive; remove it")
             when[knob] = tuple(arguments)
     processes = s.int("processes", minimum=1, maximum=1024, default=1)
     command = CommandSpec(argv=tuple(argv), cwd=cwd, env=tuple(sorted(env.items())), when=tuple(sorted(when.items())), processes=processes)
     try:
         check(command)
     except CommandError as error:
-        raise s.fail("argv", str(error)) from None
+        raise s.fail(error.where, str(error)) from None
     if ctx.check_files:
-        problem = _program_problem(argv[0], Path(cwd) if cwd else ctx.base_dir)
+        try:
+            problem = _program_problem(argv[0], Path(cwd) if cwd else ctx.base_dir)
+        except OSError as e:  # e.g. a program path longer than the file system allows
+            problem = f"cannot look at program {_render(argv[0])}: {e.strerror or e}"
         if problem:
             raise s.fail("argv", problem)
     return command
