@@ -1,0 +1,1271 @@
+#!/usr/bin/env python
+"""GPU check: which plan oomguard lands on for a Stable-Diffusion-1.5-sized UNet on 8, 12 and
+24 GiB cards, emulated on one big GPU, how many OOMs that takes, and how fast that plan trains
+compared with the fastest plan that fits.
+
+The model is ``diffusers.UNet2DConditionModel`` with SD 1.5's UNet config (written inline
+below, random weights, nothing downloaded: 860M parameters), trained with the DDPM
+noise-prediction MSE loss and AdamW on random latents (4x64x64) and random text embeddings
+(77x768), one fixed effective batch (16) on every card. A card of N GiB is a per-process
+memory fraction N GiB / total (``torch.cuda.set_per_process_memory_fraction``, through
+oomguard's own ``jobs/memory_cap.py``), so the OOMs are PyTorch's own.
+
+Which path, and why. The built-in trainer path (``oomguard run JOB --json``) cannot train this
+model: a job file's ``[model]`` holds UNet2DModel keyword arguments only (jobs/spec.py accepts
+no ``cross_attention_dim`` and no CrossAttn block types) and the runner's loop builds its
+trainer with ``jobs.trainers.unconditional.make_trainer`` (images, no text). So this script
+does not re-implement the decisions either: it runs oomguard's real runner,
+``oomguard.jobs.run.main`` (the probe, the memory model and planner, in-process recovery
+through ``doctor.decide_in_process``, OOM figures from ``jobs/memory_cap.py``, the checkpoint
+after an OOM, ``outcome.json``), in a fresh process per attempt as the daemon does, with one
+substitution: ``jobs.loop.make_trainer`` returns ``ConditionalTrainer`` (below), which has the
+built-in trainer's interface (build_model, step_inputs, slice_loss, ...) for a text-conditioned
+UNet. Between attempts it does what the supervisor's ``_next_step`` does: ``doctor.decide`` over
+the attempts so far, and the next attempt's environment from ``ladder.process_environment``
+(the allocator rung). A Plan's knobs are applied by oomguard's own code
+(``jobs/training.build_training`` and ``one_step``): micro_batch x grad_accum, gradient
+checkpointing (``enable_gradient_checkpointing``), the attention rung (SDPA under activation
+checkpointing: diffusers' ``set_attention_slice`` raises the training peak, see
+strategies/attention.py), bf16 autocast (fp16 with a GradScaler on a GPU without bf16), optimizer
+offload, bitsandbytes' 8-bit AdamW and peft LoRA. The job allows every rung (``--allow`` to
+change): exact rungs first, approximate ones only where no exact plan fits, as the product does.
+
+What runs, in order (each phase has a deadline within ``--budget``, default 420 s, so the
+whole check ends in under 8 minutes on an H200):
+
+1. oomguard, per card: attempts as above (the first one probes), until the job finishes its
+   ``1 + --steps`` steps or the doctor gives up. Landed plan: the last attempt's plan; OOMs:
+   every measurement with ``fits: false`` (probe, in-process, attempt-ending); peak allocated
+   (``max_memory_allocated``) and samples/s from the landed plan's steps after the first;
+   peak reserved (``max_memory_reserved``) at the end of the last step.
+2. Sweep, uncapped, shared by all cards (the H200 holds every plan): a few shapes (sets of
+   rungs) at the whole batch and at micro-batch 2, a warm step and a measured one each, for
+   peak and speed; an approximate tier only when a card has no exact shape that fits.
+3. Oracle, per card: from the most faithful tier with a shape predicted to fit (the peak is
+   linear in the micro-batch between the two measured points), each shape's largest fitting
+   micro-batch (one per number of slices); the two fastest by the sweep and oomguard's own
+   plan are measured directly under the card's memory fraction (a warm step and ``--steps``
+   timed ones; a candidate that runs out of memory gives way to the next smaller
+   micro-batch; one predicted under 3/4 of a plan already measured is left out); the oracle
+   is the fastest that fits, the most faithful tier first. What the time does not allow is
+   skipped and listed in the results.
+
+Without CUDA it exits with status 2, unless ``--dry-run``: the same code on the CPU with a tiny
+UNet2DConditionModel (batch 8, one timed step) and cards of a few MiB through oomguard's
+emulated device memory (``jobs/device_memory.py``), within a 55 s budget, written to
+gpu-dry-run.md/json (never gpu.md). On a loaded machine the budget cuts it short (attempts
+stopped, oracle skipped), which the results say.
+
+Results: bench/results/gpu.md and gpu.json (``--out`` to change). Run it with
+``.venv/bin/python bench/gpu_check.py`` (``--help`` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STARTED = time.monotonic()
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = ROOT / "bench" / "results"
+MiB = 2**20
+GiB = 2**30
+
+NO_CUDA = ("no CUDA GPU found: bench/gpu_check.py measures real GPU memory; run it on a machine with an NVIDIA GPU "
+           "(or add --dry-run to try its logic on the CPU with a tiny model)")
+
+# Stable Diffusion 1.5's UNet (runwayml/stable-diffusion-v1-5, unet/config.json), written out.
+SD15_UNET: dict[str, Any] = {
+    "sample_size": 64,
+    "in_channels": 4,
+    "out_channels": 4,
+    "block_out_channels": (320, 640, 1280, 1280),
+    "layers_per_block": 2,
+    "cross_attention_dim": 768,
+    "attention_head_dim": 8,
+    "down_block_types": ("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+    "norm_num_groups": 32,
+    "act_fn": "silu",
+    "flip_sin_to_cos": True,
+    "freq_shift": 0,
+    "downsample_padding": 1,
+    "mid_block_scale_factor": 1,
+    "norm_eps": 1e-5,
+    "center_input_sample": False,
+}
+# The dry run's model: the same blocks, a few channels.
+TINY_UNET: dict[str, Any] = {
+    "sample_size": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+    "block_out_channels": (32, 64),
+    "layers_per_block": 1,
+    "cross_attention_dim": 32,
+    "attention_head_dim": 8,
+    "down_block_types": ("CrossAttnDownBlock2D", "DownBlock2D"),
+    "up_block_types": ("UpBlock2D", "CrossAttnUpBlock2D"),
+    "norm_num_groups": 8,
+}
+MODELS: dict[str, dict[str, Any]] = {
+    "sd15": {"unet": SD15_UNET, "tokens": 77, "label": "SD 1.5 UNet2DConditionModel (860M parameters), latents 4x64x64, text 77x768"},
+    "tiny": {"unet": TINY_UNET, "tokens": 77, "label": "tiny UNet2DConditionModel (channels 32/64), latents 4x8x8, text 77x32"},
+}
+
+GPU_CARDS = ("8GiB", "12GiB", "24GiB")
+# The tiny model's whole batch of 8 peaks at about 20 MiB on the emulated device, 15 MiB at
+# micro-batch 2, 9 MiB with optimizer offload and checkpointing: one card with room, one
+# that needs offload, one that needs offload and small slices.
+DRY_RUN_CARDS = ("8MiB", "14MiB", "24MiB")
+BATCH = 16
+STEPS = 3
+# The dry run keeps to a minute on two shared CPU cores: a smaller batch, fewer timed steps.
+DRY_RUN_BATCH = 8
+DRY_RUN_STEPS = 1
+GPU_BUDGET_S = 420.0
+DRY_RUN_BUDGET_S = 55.0
+# Phase deadlines as shares of the budget: oomguard on every card (the main result, and a
+# process start per attempt), the sweep, the oracle races (these two skip what does not fit).
+OOMGUARD_SHARE = 0.65
+SWEEP_SHARE = 0.82
+RACE_SHARE = 0.97
+# Of its share of the oomguard phase, what each card keeps for itself when an earlier card
+# needs more than its own.
+CARD_RESERVE = 0.75
+# The sweep measures each shape at the whole batch and at this micro-batch; the peak is
+# interpolated linearly between the two (and extrapolated to micro-batch 1).
+SWEEP_SMALL_MICRO_BATCH = 2
+# A candidate's predicted peak must be this far under the card (the race checks it for real).
+FIT_MARGIN = 0.97
+# Oracle candidates raced per card (the landed plan comes on top), and smaller micro-batches
+# tried per shape after a candidate ran out of memory. A candidate the sweep predicts at less
+# than PRUNE x the fastest plan already measured to fit is not raced.
+RACE_CANDIDATES = 2
+STEP_DOWNS = 2
+PRUNE = 0.75
+# Shapes swept, as the rungs that make them from the job's own plan, by tier. The exact ones
+# always; an approximate tier only when a card has no exact shape that fits.
+EXACT_SHAPES: tuple[tuple[str, ...], ...] = (
+    (),
+    ("checkpointing",),
+    ("checkpointing", "attention"),
+    ("offload", "checkpointing"),
+    ("offload", "checkpointing", "attention"),
+)
+APPROXIMATE_SHAPES: tuple[tuple[str, ...], ...] = (
+    ("checkpointing", "attention", "precision"),
+    ("offload", "checkpointing", "attention", "precision"),
+    ("checkpointing", "attention", "precision", "optimizer_8bit"),
+    ("checkpointing", "attention", "lora"),
+    ("checkpointing", "attention", "precision", "lora"),
+    ("checkpointing", "attention", "lora", "base_quantization"),
+)
+TRAINER_FILE = "gpu_check_trainer.json"
+FINAL_STATS = "gpu_check.json"
+# One thread per process in the dry run (2 shared cores here), as bench/ladder.py does.
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def log(text: str) -> None:
+    print(f"[{time.monotonic() - STARTED:6.1f}s] {text}", flush=True)
+
+
+def elapsed() -> float:
+    return time.monotonic() - STARTED
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """Host-side tensors for one whole effective batch."""
+
+    latents: Any
+    noise: Any
+    timesteps: Any
+    text: Any
+
+    @property
+    def size(self) -> int:
+        return self.latents.shape[0]
+
+
+class ConditionalTrainer:
+    """The built-in trainer's interface (jobs/trainers/unconditional.py) for a text-conditioned
+    UNet2DConditionModel on random latents and random text embeddings.
+
+    Everything random about a step is drawn for the whole effective batch from a generator
+    seeded by (seed, step) and then sliced, as the built-in trainer does, so every plan trains
+    the same thing. ``save_final`` writes this process's CUDA peaks instead of 3.4 GB of weights.
+    """
+
+    def __init__(self, job: Any, model: str) -> None:
+        from diffusers import DDPMScheduler
+
+        self.job = job
+        self.config = MODELS[model]
+        self.noise_scheduler = DDPMScheduler(num_train_timesteps=job.train.num_train_timesteps)
+
+    def build_model(self) -> Any:
+        import torch
+        from diffusers import UNet2DConditionModel
+
+        torch.manual_seed(self.job.train.seed)
+        unet = self.config["unet"]
+        return UNet2DConditionModel(**{k: list(v) if isinstance(v, tuple) else v for k, v in unet.items()})
+
+    def zero_gradient_parameters(self, model: Any) -> list[Any]:
+        # The attention key bias gets a zero gradient (see the built-in trainer); SD's
+        # attention layers have no bias, so this is usually empty.
+        return [p for name, p in model.named_parameters() if name.endswith("to_k.bias")]
+
+    def step_inputs(self, step: int) -> StepInputs:
+        import torch
+
+        from oomguard.jobs.data import step_generator
+
+        unet = self.config["unet"]
+        batch = self.job.train.batch_size
+        shape = (batch, unet["in_channels"], unet["sample_size"], unet["sample_size"])
+        generator = step_generator(self.job.train.seed, step)
+        latents = torch.randn(shape, generator=generator)
+        noise = torch.randn(shape, generator=generator)
+        timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (batch,), generator=generator)
+        text = torch.randn((batch, self.config["tokens"], unet["cross_attention_dim"]), generator=generator)
+        return StepInputs(latents=latents, noise=noise, timesteps=timesteps, text=text)
+
+    def slice_loss(self, model: Any, inputs: StepInputs, start: int, stop: int, device: Any) -> Any:
+        import torch.nn.functional as F
+
+        # copy=True: on the CPU .to() would return a view that the emulated device does not count.
+        latents = inputs.latents[start:stop].to(device, copy=True)
+        noise = inputs.noise[start:stop].to(device, copy=True)
+        timesteps = inputs.timesteps[start:stop].to(device, copy=True)
+        text = inputs.text[start:stop].to(device, copy=True)
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = model(noisy, timesteps, encoder_hidden_states=text).sample
+        return F.mse_loss(prediction.float(), noise.float())
+
+    def save_final(self, model: Any, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / FINAL_STATS).write_text(json.dumps(cuda_peaks(), indent=2))
+
+
+def cuda_peaks() -> dict[str, int | None]:
+    """This process's CUDA peaks since the last reset (the runner resets them every step)."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return {"max_memory_allocated": None, "max_memory_reserved": None, "memory_reserved": None}
+    return {
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "max_memory_reserved": torch.cuda.max_memory_reserved(),
+        "memory_reserved": torch.cuda.memory_reserved(),
+    }
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def attempt_worker(attempt_dir: Path) -> int:
+    """One attempt: oomguard's runner with the conditional trainer (its exit codes)."""
+    settings = json.loads((attempt_dir / TRAINER_FILE).read_text())
+    import torch
+
+    if settings.get("threads"):
+        torch.set_num_threads(settings["threads"])
+    import oomguard.jobs.loop as loop
+    from oomguard.jobs import run
+
+    loop.make_trainer = lambda job: ConditionalTrainer(job, settings["model"])
+    return run.main([str(attempt_dir)])
+
+
+def measure_worker() -> int:
+    """Measure plans, one JSON task per line on stdin, one ``RESULT {json}`` line per task on
+    stdout. Ends after a failed step left memory behind (the parent starts a new worker)."""
+    import torch
+
+    from oomguard.jobs.spec import JobSpec
+
+    if os.environ.get("OMP_NUM_THREADS") == "1":
+        torch.set_num_threads(1)
+    # The slow imports, before READY: the first plan's time is then the plan's own.
+    importlib.import_module("oomguard.jobs.training")
+    importlib.import_module("diffusers").UNet2DConditionModel  # noqa: B018 (diffusers imports lazily)
+
+    print("READY", flush=True)
+    trainers: dict[str, ConditionalTrainer] = {}
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        task = json.loads(line)
+        job = JobSpec.from_dict(task["job"])
+        trainer = trainers.get(task["model"])
+        if trainer is None:
+            trainer = trainers[task["model"]] = ConditionalTrainer(job, task["model"])
+        result = measure_plan(trainer, job, task)
+        print("RESULT " + json.dumps(result), flush=True)
+        if result.get("leftover_bytes"):
+            return 0
+    return 0
+
+
+def measure_plan(trainer: ConditionalTrainer, job: Any, task: dict[str, Any]) -> dict[str, Any]:
+    """Build the task's plan fresh and train a warm step plus ``steps`` timed ones, under the
+    task's cap (a memory fraction on CUDA, the emulated device on the CPU) or none."""
+    import torch
+
+    from oomguard.jobs.attempt import Control
+    from oomguard.jobs.memory_cap import DeviceMemory
+    from oomguard.jobs.sizes import CapSchedule
+    from oomguard.jobs.training import build_training, free, one_step, unfit_to_continue
+    from oomguard.strategies.plan import Plan
+
+    plan = Plan.from_dict(task["plan"])
+    cap = task["cap"]
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if cuda:
+        schedule = CapSchedule(((0, cap),)) if cap is not None else None
+        if cap is None:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    else:
+        # Without a cap, an emulated device that counts and never refuses.
+        schedule = CapSchedule(((0, cap if cap is not None else 2**40),))
+    memory = DeviceMemory(schedule, device)
+    control = Control()
+    result: dict[str, Any] = {"plan": plan.to_dict(), "cap": cap}
+    started = time.perf_counter()
+    training = None
+    step = 0
+    oom_text: str | None = None
+    with memory:
+        memory.begin_step(0)
+        clean = memory.live_bytes() or 0
+        memory.reset_peak()
+        try:
+            training = build_training(trainer, job, plan, device, memory)
+            result["build_s"] = time.perf_counter() - started
+            rates = []
+            for step in range(1 + task["steps"]):
+                outcome = one_step(trainer, training, step, memory, control)
+                if step > 0:
+                    rates.append(plan.batch_size / outcome.seconds)
+                if not math.isfinite(outcome.loss):
+                    result["diverged"] = f"loss {outcome.loss} at step {step}"
+            result.update(fits=True, rates=rates, samples_per_s=statistics.median(rates) if rates else None,
+                          peak_bytes=memory.peak_bytes(), reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
+        except torch.OutOfMemoryError as error:
+            oom_text = str(error)
+            figures = memory.oom_figures(oom_text)
+            result.update(fits=False, oom_step=step, oom_phase=control.phase, oom_message=oom_text.splitlines()[0][:300],
+                          needed_at_least=(figures.allocated or 0) + (figures.requested or 0))
+        training = None
+        free()
+        leftover = unfit_to_continue(memory, clean)
+        if leftover is not None:
+            result["leftover_bytes"] = leftover
+    result["wall_s"] = time.perf_counter() - started
+    return result
+
+
+class MeasureWorker:
+    """The parent's handle on a measuring process, started ahead of time (its imports take
+    seconds) and started again when one ends."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self.env = env
+        self.log_path = log_path
+        self.process: subprocess.Popen[str] | None = None
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.started = 0
+        self.started_at = 0.0
+        # Seconds from start to READY (imports), once known: the cost of starting it again.
+        self.ready_s: float | None = None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        self.lines = queue.Queue()
+        self.started_at = elapsed()
+        log_file = self.log_path.open("a")
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker-measure"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True, env=self.env, start_new_session=True, cwd=ROOT,
+        )
+        log_file.close()
+        self.started += 1
+        lines, stdout = self.lines, self.process.stdout
+        assert stdout is not None
+        started_at = self.started_at
+
+        def read() -> None:
+            for line in stdout:
+                if line.startswith("READY"):
+                    self.ready_s = elapsed() - started_at
+                    continue
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def measure(self, task: dict[str, Any], deadline: float) -> dict[str, Any]:
+        """The task's result; an error dict when the worker died or ran past ``deadline``."""
+        self.start()
+        assert self.process is not None and self.process.stdin is not None
+        try:
+            self.process.stdin.write(json.dumps(task) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:
+            self.kill()
+            return {"error": "the measuring process died before the task", "log_tail": tail(self.log_path)}
+        while True:
+            remaining = deadline - elapsed()
+            try:
+                line = self.lines.get(timeout=max(0.05, remaining))
+            except queue.Empty:
+                self.kill()
+                return {"error": "stopped at the phase's deadline (budget)", "budget": True}
+            if line is None:
+                self.kill()
+                return {"error": "the measuring process died", "log_tail": tail(self.log_path)}
+            if line.startswith("RESULT "):
+                result = json.loads(line[len("RESULT "):])
+                if result.get("leftover_bytes"):
+                    try:
+                        self.process.wait(timeout=30)  # it ends itself; the next task starts a new one
+                    except subprocess.TimeoutExpired:
+                        self.kill()
+                return result
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            kill_group(self.process)
+        self.process = None
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None and self.process.stdin is not None:
+            try:
+                self.process.stdin.close()
+                self.process.wait(timeout=10)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+
+def kill_group(process: subprocess.Popen[Any]) -> None:
+    """SIGKILL the process we started and its group (it leads a session of its own)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ----------------------------------------------------------------------------- oomguard per card
+
+
+@dataclass
+class Card:
+    name: str  # as given: "8GiB", "20MiB"
+    nbytes: int
+
+    @property
+    def label(self) -> str:
+        return self.name.replace("GiB", " GiB").replace("MiB", " MiB")
+
+
+def make_job(model: str, batch: int, steps: int, allow: tuple[str, ...]) -> Any:
+    """The job the runner sees. ``[data]`` and ``[model]`` are required by the job schema for a
+    built-in trainer; ConditionalTrainer ignores both (its model and data are MODELS[model])."""
+    from oomguard.jobs.spec import JobSpec
+
+    return JobSpec.from_dict({
+        "name": f"{model}-text-to-image",
+        "trainer": "unconditional",
+        "data": {"source": f"synthetic:{batch}", "resolution": 8},
+        "model": {"block_out_channels": [32], "down_block_types": ["DownBlock2D"], "up_block_types": ["UpBlock2D"], "norm_num_groups": 8},
+        "train": {
+            "batch_size": batch,
+            "max_steps": 1 + steps,
+            "learning_rate": 1e-5,
+            "weight_decay": 1e-2,
+            "seed": 0,
+            "mixed_precision": "no",
+            # No checkpoint on a schedule (an SD 1.5 checkpoint is 10 GB); the runner still
+            # writes one when an OOM ends an attempt after step 0, for the next attempt.
+            "checkpoint_every_steps": 1 + steps,
+            "keep_checkpoints": 1,
+        },
+        "ladder": {"allow": list(allow), "probe": True},
+    })
+
+
+def run_oomguard(job: Any, card: Card, model: str, workdir: Path, env: dict[str, str], deadline: float, threads: int | None) -> dict[str, Any]:
+    """The job on one card, attempt after attempt, as the daemon runs it."""
+    from oomguard.jobs.attempt import LOG, OUTCOME, AttemptConfig, read_json
+    from oomguard.strategies import ladder
+    from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
+    from oomguard.strategies.outcome import Outcome
+
+    policy = job.policy()
+    plan = job.initial_plan()
+    history: list[Any] = []
+    attempts: list[dict[str, Any]] = []
+    decisions: list[str] = []
+    state = "failed"
+    started = elapsed()
+    for number in range(1, policy.max_attempts + 1):
+        attempt_dir = workdir / "attempts" / f"{number:03d}"
+        config = AttemptConfig(job=job, plan=plan, number=number, workdir=workdir, emulate_device_memory=card.name,
+                               probe=job.ladder.probe and number == 1)
+        config.write(attempt_dir)
+        (attempt_dir / TRAINER_FILE).write_text(json.dumps({"model": model, "threads": threads}))
+        log(f"  {card.label}: attempt {number} starts with [{plan.short()}]" + (" (probe on)" if config.probe else ""))
+        with (attempt_dir / LOG).open("wb") as output:
+            process = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--worker-attempt", str(attempt_dir)],
+                stdout=output, stderr=subprocess.STDOUT, env=ladder.process_environment(plan, env), cwd=workdir, start_new_session=True,
+            )
+            returncode = follow(process, attempt_dir / LOG, deadline, f"  {card.label}: ")
+        data = read_json(attempt_dir / OUTCOME)
+        if returncode is None:
+            heartbeat = read_json(attempt_dir / "heartbeat.json") or {}
+            current = heartbeat.get("plan") or plan.short()
+            attempts.append({"number": number, "plan": plan.short(), "outcome": None, "directory": str(attempt_dir), "current_plan": current,
+                             "killed": f"stopped at the card's deadline (budget), at step {heartbeat.get('step', 0)} under [{current}]",
+                             "log_tail": tail(attempt_dir / LOG)})
+            log(f"  {card.label}: attempt {number} stopped at the card's deadline")
+            state = "timed out"
+            break
+        if isinstance(data, dict):
+            outcome = Outcome.from_dict(data)
+        else:
+            from oomguard.daemon.supervisor import outcome_without_report
+
+            outcome = outcome_without_report(attempt_dir, returncode)
+        ended_plan = outcome.plan or plan
+        attempts.append({"number": number, "plan": plan.short(), "started": plan, "outcome": outcome, "directory": str(attempt_dir),
+                         "exit_code": returncode, "log_tail": tail(attempt_dir / LOG) if outcome.kind != "finished" else None})
+        log(f"  {card.label}: attempt {number} ended: {outcome.kind} at step {outcome.step}" + (f" in {outcome.phase}" if outcome.kind == "oom" else "")
+            + f", plan [{ended_plan.short()}]" + (f": {(outcome.message or '').strip()[:300]}" if outcome.kind not in ("finished", "oom") else ""))
+        history.append(PastAttempt(plan=ended_plan, outcome=outcome))
+        if outcome.kind == "finished":
+            state = "finished"
+            break
+        decision = decide(outcome, ended_plan, history, policy)
+        decisions.append(f"after attempt {number}: {type(decision).__name__}: {decision.reason}")
+        log(f"  {card.label}: doctor: {type(decision).__name__}: {decision.reason}")
+        if isinstance(decision, NextPlan):
+            plan = decision.plan
+        elif isinstance(decision, (Retry, Wait)):
+            plan = ended_plan
+        elif isinstance(decision, GiveUp):
+            state = "gave up"
+            break
+        if elapsed() >= deadline:
+            state = "timed out"
+            break
+    summary = summarise_oomguard(attempts, state)
+    summary.update(decisions=decisions, wall_s=elapsed() - started)
+    return summary
+
+
+def tail(path: Path, size: int = 3000) -> str | None:
+    """The end of a log that goes away with the scratch folder, for the results."""
+    try:
+        with path.open("rb") as handle:
+            handle.seek(max(0, path.stat().st_size - size))
+            return handle.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
+# The runner's lines worth a progress line here (the rest stays in the attempt's output.log).
+PROGRESS_PREFIXES = ("probe:", "out of memory", "step ", "resumed", "the failed step", "Traceback")
+
+
+def follow(process: subprocess.Popen[Any], output: Path, deadline: float, prefix: str) -> int | None:
+    """Wait for the attempt, echoing its progress lines; its exit status, or None when it ran
+    past ``deadline`` and was killed."""
+    position = 0
+
+    def echo() -> None:
+        nonlocal position
+        with output.open("rb") as handle:
+            handle.seek(position)
+            data = handle.read()
+        end = data.rfind(b"\n") + 1
+        position += end
+        for line in data[:end].decode(errors="replace").splitlines():
+            if line.startswith(PROGRESS_PREFIXES):
+                log(prefix + line.strip()[:240])
+
+    try:
+        while True:
+            try:
+                returncode = process.wait(timeout=min(2.0, max(0.05, deadline - elapsed())))
+            except subprocess.TimeoutExpired:
+                echo()
+                if elapsed() >= deadline:
+                    kill_group(process)
+                    return None
+                continue
+            echo()
+            return returncode
+    except BaseException:
+        kill_group(process)  # Ctrl-C: the attempt runs in a session of its own and would go on
+        raise
+
+
+def summarise_oomguard(attempts: list[dict[str, Any]], state: str) -> dict[str, Any]:
+    """Landed plan, OOMs by where they happened, and the landed plan's steps."""
+    from oomguard.strategies.plan import Plan
+
+    ooms: list[dict[str, Any]] = []
+    measured: list[str] = []
+    reasons: list[str] = []
+    in_process = attempt_ending = 0
+    landed: Plan | None = None
+    for attempt in attempts:
+        outcome = attempt["outcome"]
+        if outcome is None:
+            continue
+        landed = outcome.plan or attempt["started"]
+        for m in outcome.measurements:
+            if m.fits:
+                speed = f", {m.samples_per_s:.2f} samples/s" if m.samples_per_s else ""
+                # The probe's measurements carry their step (0); the attempt's steady training steps do not.
+                where = "probe" if m.step is not None else "training steps"
+                measured.append(f"attempt {attempt['number']}, {where}: [{m.plan.short()}] peak {fmt_bytes(m.peak_bytes)}{speed}")
+            else:
+                measured.append(f"attempt {attempt['number']}: [{m.plan.short()}] OOM at step {m.step} (needed more than {fmt_bytes(m.peak_bytes)})")
+                ooms.append({"attempt": attempt["number"], "plan": m.plan.short(), "step": m.step, "needed_at_least_bytes": m.peak_bytes,
+                             "capacity_bytes": m.capacity})
+        for change in outcome.recoveries:
+            reasons.append(f"attempt {attempt['number']}, step {change.get('step')}: {change.get('reason')}")
+            if not str(change.get("reason", "")).startswith("probe"):
+                in_process += 1
+        if outcome.kind == "oom":
+            attempt_ending += 1
+    if attempts and attempts[-1]["outcome"] is None:
+        # The last attempt was stopped at the deadline: the plan it was running.
+        landed, landed_text = None, attempts[-1]["current_plan"]
+    else:
+        landed_text = landed.short() if landed is not None else (attempts[-1]["plan"] if attempts else None)
+    rates: list[float] = []
+    peaks: list[int] = []
+    reserved = None
+    last = attempts[-1] if attempts else None
+    if last is not None and landed is not None:
+        metrics = Path(last["directory"]) / "metrics.jsonl"
+        if metrics.exists():
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            # The first step of an attempt creates the optimizer state: not steady.
+            steady = [r for r in rows[1:] if r.get("plan") == landed.short()]
+            rates = [r["samples_per_s"] for r in steady]
+            peaks = [r["peak_bytes"] for r in steady if r.get("peak_bytes") is not None]
+        final = Path(last["directory"]).parent.parent / "final" / FINAL_STATS
+        if state == "finished" and final.exists():
+            reserved = json.loads(final.read_text()).get("max_memory_reserved")
+    killed = [a["killed"] for a in attempts if a.get("killed")]
+    return {
+        "state": state,
+        "attempts": len(attempts),
+        "landed_plan": landed_text,
+        "landed": landed.to_dict() if landed is not None else None,
+        "ooms": len(ooms),
+        "ooms_in_probe": len(ooms) - in_process - attempt_ending,
+        "ooms_in_process": in_process,
+        "ooms_ending_attempts": attempt_ending,
+        "oom_details": ooms,
+        "measurements": measured,
+        "plan_changes": reasons,
+        "samples_per_s": statistics.median(rates) if rates else None,
+        "steady_steps": len(rates),
+        "peak_allocated_bytes": max(peaks) if peaks else None,
+        "peak_reserved_bytes": reserved,
+        "outcomes": [{"number": a["number"], "started_with": a["plan"], "kind": a["outcome"].kind if a["outcome"] else None,
+                      "step": a["outcome"].step if a["outcome"] else None, "phase": a["outcome"].phase if a["outcome"] else None,
+                      "message": (a["outcome"].message or "")[:300] if a["outcome"] else a.get("killed"),
+                      "traceback_tail": (a["outcome"].traceback_tail or "")[-3000:] if a["outcome"] else None,
+                      "log_tail": a.get("log_tail")} for a in attempts],
+        "notes": killed,
+    }
+
+
+# ----------------------------------------------------------------------------- sweep and oracle
+
+
+@dataclass
+class Shape:
+    """Every knob but the micro-batch, and what the sweep measured of it."""
+
+    rungs: tuple[str, ...]
+    base: Any  # the Plan at micro-batch 1
+    tier: int
+    points: dict[int, dict[str, Any]] = field(default_factory=dict)  # micro-batch -> measurement
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.rungs) or "none"
+
+    def plan(self, micro_batch: int) -> Any:
+        return self.base.replace(micro_batch=micro_batch)
+
+    def fitted(self) -> list[tuple[int, dict[str, Any]]]:
+        return sorted((mb, r) for mb, r in self.points.items() if r.get("fits"))
+
+    def predicted_peak(self, micro_batch: int) -> float | None:
+        """Linear in the micro-batch between the lowest and highest micro-batch that ran
+        (the memory model's form); a micro-batch above one that ran out of memory does not fit."""
+        if any(not r.get("fits") and not r.get("error") and mb <= micro_batch for mb, r in self.points.items()):
+            return math.inf
+        ran = self.fitted()
+        if not ran:
+            return None
+        if micro_batch in self.points and self.points[micro_batch].get("fits"):
+            return float(self.points[micro_batch]["peak_bytes"])
+        if len(ran) < 2:
+            return None
+        (a, ra), (b, rb) = ran[0], ran[-1]
+        slope = (rb["peak_bytes"] - ra["peak_bytes"]) / (b - a)
+        if slope < 0:  # autocast's weight copies can outweigh a few samples: no line to trust
+            return float(max(ra["peak_bytes"], rb["peak_bytes"]))
+        return ra["peak_bytes"] + slope * (micro_batch - a)
+
+    def predicted_rate(self, micro_batch: int) -> float | None:
+        """samples/s from a step time linear in the number of slices."""
+        ran = [(mb, r) for mb, r in self.fitted() if r.get("samples_per_s")]
+        if not ran:
+            return None
+        slices = self.plan(micro_batch).grad_accum
+        if len(ran) < 2:
+            mb, r = ran[0]
+            return r["samples_per_s"] if self.plan(mb).grad_accum == slices else None
+        (a, ra), (b, rb) = ran[0], ran[-1]
+        sa, sb = self.plan(a).grad_accum, self.plan(b).grad_accum
+        batch = self.base.batch_size
+        ta, tb = batch / ra["samples_per_s"], batch / rb["samples_per_s"]
+        step = ta + (tb - ta) * (slices - sa) / (sb - sa) if sa != sb else ta
+        return batch / step if step > 0 else None
+
+
+def representative_micro_batches(start: Any) -> list[int]:
+    """Per number of slices the smallest micro-batch (the most even split: the lowest peak for
+    the same work), largest first: 16, 8, 6, 4, 3, 2, 1 for a batch of 16."""
+    sizes = {math.ceil(start.per_rank_batch / s) for s in range(1, start.per_rank_batch + 1)}
+    return sorted((mb for mb in sizes if mb in start.micro_batch_choices()), reverse=True)
+
+
+def make_shapes(job: Any, rung_sets: tuple[tuple[str, ...], ...]) -> list[Shape]:
+    from oomguard.strategies import ladder, planner
+
+    start = job.initial_plan()
+    allowed = set(job.ladder.allow)
+    shapes: list[Shape] = []
+    for rungs in rung_sets:
+        if not set(rungs) <= allowed or any(ladder.rung(name) is None for name in rungs):
+            continue
+        plan = start.replace(micro_batch=1)
+        for name in rungs:
+            stepped = ladder.rung(name).step(plan)
+            if stepped is None:
+                break
+            plan = stepped
+        else:
+            shapes.append(Shape(rungs=rungs, base=plan, tier=planner.faithfulness(start, plan)))
+    return shapes
+
+
+class Measurer:
+    """Plans to the worker, with progress lines and a running estimate of a plan's cost."""
+
+    def __init__(self, worker: MeasureWorker, job: Any, model: str, steps: int) -> None:
+        self.worker = worker
+        self.job = job
+        self.model = model
+        self.steps = steps
+        self.costs: list[float] = []
+        self.skipped: list[str] = []
+
+    def expected_cost(self, steps: int) -> float:
+        restart = 0.0 if self.worker.alive() else (self.worker.ready_s or 0.0)
+        if not self.costs:
+            return restart
+        return restart + statistics.median(self.costs) * (1 + steps) / (1 + self.steps)
+
+    def run(self, plan: Any, cap: int | None, steps: int, deadline: float, what: str) -> dict[str, Any] | None:
+        """The measurement, or None when the time left before ``deadline`` is too short."""
+        if elapsed() + self.expected_cost(steps) > deadline:
+            self.skipped.append(f"{what}: [{plan.short()}]")
+            log(f"  skipped for lack of time: {what} [{plan.short()}] (~{self.expected_cost(steps):.0f}s, {max(0.0, deadline - elapsed()):.0f}s left)")
+            return None
+        started = elapsed()
+        task = {"job": self.job.to_dict(), "model": self.model, "plan": plan.to_dict(), "cap": cap, "steps": steps}
+        result = self.worker.measure(task, deadline)
+        if result.get("budget"):
+            self.skipped.append(f"{what}: [{plan.short()}] (stopped at the deadline)")
+        elif result.get("fits"):
+            self.costs.append(result["wall_s"] * (1 + self.steps) / (1 + steps))
+        log(f"  {what} [{plan.short()}]: {describe_measurement(result)} ({elapsed() - started:.1f}s)")
+        return result
+
+
+def describe_measurement(r: dict[str, Any]) -> str:
+    if r.get("error"):
+        return f"ERROR {r['error']}"
+    if not r.get("fits"):
+        return f"OOM in {r.get('oom_phase')} at step {r.get('oom_step')} (needed more than {fmt_bytes(r.get('needed_at_least'))})"
+    reserved = f", reserved {fmt_bytes(r['reserved_bytes'])}" if r.get("reserved_bytes") is not None else ""
+    rate = f", {r['samples_per_s']:.2f} samples/s" if r.get("samples_per_s") else ""
+    return f"peak {fmt_bytes(r.get('peak_bytes'))}{reserved}{rate}"
+
+
+def sweep_micro_batches(start: Any) -> tuple[int, ...]:
+    return tuple(sorted({start.per_rank_batch, min(SWEEP_SMALL_MICRO_BATCH, start.per_rank_batch)}, reverse=True))
+
+
+def sweep(measurer: Measurer, shapes: list[Shape], deadline: float) -> bool:
+    """Each shape at the whole batch and micro-batch 2, uncapped; at half the batch, then a
+    quarter, while the whole batch runs out of memory. False when the time ran out."""
+    for shape in shapes:
+        for mb in sweep_micro_batches(shape.base):
+            if mb in shape.points:
+                continue
+            result = measurer.run(shape.plan(mb), None, 1, deadline, f"sweep {shape.name}")
+            if result is None or result.get("budget"):
+                return False
+            shape.points[mb] = result
+            size = mb
+            while not result.get("fits") and not result.get("error") and size > 2 * SWEEP_SMALL_MICRO_BATCH:
+                size //= 2
+                result = measurer.run(shape.plan(size), None, 1, deadline, f"sweep {shape.name}")
+                if result is None or result.get("budget"):
+                    return False
+                shape.points[size] = result
+    return True
+
+
+def fits_somewhere(shapes: list[Shape], cap: int, reps: list[int]) -> bool:
+    return any((p := s.predicted_peak(mb)) is not None and p <= FIT_MARGIN * cap for s in shapes for mb in reps)
+
+
+def oracle_candidates(shapes: list[Shape], cap: int, reps: list[int]) -> tuple[int | None, list[tuple[Shape, int]]]:
+    """(the tier, its shapes' largest fitting micro-batches, fastest predicted first)."""
+    for tier in sorted({s.tier for s in shapes}):
+        found = []
+        for shape in (s for s in shapes if s.tier == tier):
+            for mb in reps:
+                peak = shape.predicted_peak(mb)
+                if peak is not None and peak <= FIT_MARGIN * cap:
+                    found.append((shape, mb))
+                    break
+        if found:
+            found.sort(key=lambda c: -(c[0].predicted_rate(c[1]) or 0.0))
+            return tier, found
+    return None, []
+
+
+def race(measurer: Measurer, card: Card, shapes: list[Shape], reps: list[int], landed: Any, start: Any, deadline: float) -> dict[str, Any]:
+    """The card's oracle: candidates measured directly under the card's cap."""
+    from oomguard.strategies import planner
+    from oomguard.strategies.plan import Plan
+
+    tier, found = oracle_candidates(shapes, card.nbytes, reps)
+    queue_: list[tuple[Shape | None, int | None, Any]] = [(s, mb, s.plan(mb)) for s, mb in found[:RACE_CANDIDATES]]
+    landed_key = None
+    if landed is not None:
+        # The allocator setting is for a new process's environment: the race's worker has none.
+        landed_key = Plan.from_dict(landed).replace(allocator="")
+        if all(p != landed_key for _, _, p in queue_):
+            queue_.append((None, None, landed_key))
+    measured: dict[str, dict[str, Any]] = {}
+    step_downs: dict[str, int] = {}
+    while queue_:
+        shape, mb, plan = queue_.pop(0)
+        if plan.short() in measured:
+            continue
+        best = max((r["samples_per_s"] for r in measured.values() if r.get("fits") and r.get("samples_per_s")), default=None)
+        predicted = shape.predicted_rate(mb) if shape is not None else None
+        if best is not None and predicted is not None and predicted < PRUNE * best:
+            log(f"  {card.label}: not racing [{plan.short()}]: predicted {predicted:.2f} samples/s, under {PRUNE} x {best:.2f} measured")
+            continue
+        label = "oomguard's plan" if shape is None else "oracle candidate"
+        result = measurer.run(plan, card.nbytes, measurer.steps, deadline, f"{card.label} race, {label}")
+        if result is None:
+            continue
+        measured[plan.short()] = {**result, "faithfulness": planner.faithfulness(start, plan), "landed": plan == landed_key,
+                                  "predicted_samples_per_s": shape.predicted_rate(mb) if shape is not None else None,
+                                  "predicted_peak_bytes": shape.predicted_peak(mb) if shape is not None else None}
+        if shape is not None and not result.get("fits") and not result.get("error") and step_downs.get(shape.name, 0) < STEP_DOWNS:
+            smaller = [m for m in reps if m < mb]
+            if smaller:
+                step_downs[shape.name] = step_downs.get(shape.name, 0) + 1
+                queue_.insert(0, (shape, smaller[0], shape.plan(smaller[0])))
+    fitting = {k: r for k, r in measured.items() if r.get("fits") and r.get("samples_per_s") and not r.get("diverged")}
+    oracle = min(fitting, key=lambda k: (fitting[k]["faithfulness"], -fitting[k]["samples_per_s"])) if fitting else None
+    return {
+        "tier": tier,
+        "candidates": [s.plan(mb).short() for s, mb in found[:RACE_CANDIDATES]],
+        "measured": measured,
+        "oracle_plan": oracle,
+        "oracle_samples_per_s": fitting[oracle]["samples_per_s"] if oracle else None,
+        "oracle_peak_bytes": fitting[oracle]["peak_bytes"] if oracle else None,
+        "oracle_reserved_bytes": fitting[oracle].get("reserved_bytes") if oracle else None,
+        "landed_race": measured.get(landed_key.short()) if landed_key is not None else None,
+    }
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    if n == math.inf:
+        return "inf"
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def card_rows(summary: dict[str, Any]) -> str:
+    lines = [
+        "| card | oomguard plan | state | OOMs (probe / in-process / ending an attempt) | attempts | peak allocated | peak reserved | "
+        "samples/s | oracle plan | oracle samples/s | ratio | oomguard wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in summary["cards"]:
+        og, oracle = c["oomguard"], c.get("oracle") or {}
+        approx = " (approximate)" if c.get("landed_faithfulness") else ""
+        oracle_approx = " (approximate)" if oracle.get("oracle_plan") and oracle["measured"][oracle["oracle_plan"]]["faithfulness"] else ""
+        lines.append(
+            f"| {c['card']} | `{og.get('landed_plan')}`{approx} | {og['state']} | {og['ooms']} ({og['ooms_in_probe']} / {og['ooms_in_process']} / "
+            f"{og['ooms_ending_attempts']}) | {og['attempts']} | {fmt_bytes(og.get('peak_allocated_bytes'))} | {fmt_bytes(og.get('peak_reserved_bytes'))} | "
+            f"{_fmt(og.get('samples_per_s'))} | " + (f"`{oracle['oracle_plan']}`{oracle_approx}" if oracle.get("oracle_plan") else "not measured")
+            + f" | {_fmt(oracle.get('oracle_samples_per_s'))} | {_fmt(c.get('ratio'))} | {og['wall_s']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    m = summary["machine"]
+    s = summary["settings"]
+    device = (f"{m['gpu']} ({fmt_bytes(m['gpu_total_bytes'])})" if m["gpu"] else
+              f"the CPU ({m['cpus']} CPUs), cards emulated by oomguard's emulated device memory")
+    out = [
+        f"# GPU check{' (dry run on the CPU)' if s['dry_run'] else ''}",
+        "",
+        f"Written by `bench/gpu_check.py`; rerun with `{summary['command']}`.",
+        "",
+        f"Measured {m['date']} on {device}; Python {m['python']}, torch {m['torch']} (CUDA {m['cuda']}), diffusers {m['diffusers']}, "
+        f"bitsandbytes {m['bitsandbytes']}, peft {m['peft']}; {m['platform']}. Total {summary['total_s']:.0f} s of a {s['budget_s']:.0f} s budget.",
+        "",
+        f"Model: {s['model_label']}; DDPM noise-prediction MSE, AdamW (lr 1e-5), effective batch {s['batch']} on every card; "
+        f"ladder.allow = {', '.join(s['allow'])}. Cards: {', '.join(s['cards'])} "
+        + ("(oomguard's emulated device memory on the CPU: counts live tensors, raises torch.OutOfMemoryError)." if s["dry_run"] else
+           "(per-process memory fraction = card / total memory; PyTorch's own OOMs)."),
+        "",
+    ]
+    if s["dry_run"]:
+        out += ["**Dry run**: the numbers say nothing about a GPU; this checks the script's logic before a GPU session spends its minutes on it.", ""]
+    out += ["## Per card", "", card_rows(summary), "",
+            "*ratio*: oomguard's plan over the oracle's samples/s, both measured the same way in the race under the card's cap when oomguard's plan "
+            "was raced (else oomguard's own steps over the oracle's race). *peak allocated*: `max_memory_allocated` over the landed plan's steps after "
+            "the first; *peak reserved*: `max_memory_reserved` at the end of the last step (the cache only grows between steps). *samples/s*: median "
+            "over the landed plan's steps after the first of its attempt. *(approximate)*: the plan takes a rung that changes the training "
+            "(precision, 8-bit optimizer, LoRA, quantized base); the oracle's tier is the most faithful that fits, as the product's policy wants.", ""]
+    if summary["skipped"]:
+        out += ["## Not measured for lack of time", "", *[f"- {x}" for x in summary["skipped"]], ""]
+    for error in summary["errors"]:
+        out += ["## Error (the check stopped here)", "", "```", error.strip()[-3000:], "```", ""]
+    out += ["## How it is measured", "",
+            "- **oomguard**: oomguard's runner (`oomguard.jobs.run`: probe, memory model, planner, in-process recovery, OOM figures) in a fresh "
+            "process per attempt, with its trainer swapped for a text-conditioned one (the built-in trainer trains UNet2DModel only); between "
+            "attempts `doctor.decide`, as the daemon's supervisor does. A job of "
+            f"{s['batch']} samples x {s['steps'] + 1} steps, probe on, the product's defaults otherwise.",
+            f"- **Sweep** (uncapped): shapes {', '.join(summary['sweep']['shapes'])} at the whole batch and micro-batch {SWEEP_SMALL_MICRO_BATCH} (half the batch, then a quarter, while the whole batch runs out of memory), "
+            "a warm and a measured step each.",
+            f"- **Oracle**: the most faithful tier with a shape whose peak, linear between the sweep's two points, fits {FIT_MARGIN:.0%} of the card; "
+            f"per shape its largest fitting micro-batch (one per number of slices), the {RACE_CANDIDATES} fastest by the sweep, plus oomguard's plan, "
+            f"each built fresh and trained a warm step and {s['steps']} timed step(s) under the card's cap; a candidate that runs out of memory gives way "
+            f"to the next smaller micro-batch; one the sweep predicts under {PRUNE} x a plan already measured to fit is not raced. The oracle is the "
+            "fastest that fits (most faithful tier first): the best of the plans measured, not of all plans. oomguard's plan races without its "
+            "allocator setting (an environment variable at process start; the race's process has none).",
+            "- **Cards**: " + ("oomguard's emulated device counts the live bytes of real tensors; there is no allocator cache, so no reserved figures."
+                               if s["dry_run"] else
+                               "the memory fraction caps PyTorch's caching allocator only: the CUDA context and anything allocated outside "
+                               "the allocator are not counted, so a real card of that size has a few hundred MiB less for the job."),
+            ""]
+    for c in summary["cards"]:
+        og, oracle = c["oomguard"], c.get("oracle") or {}
+        fraction = f", memory fraction {c['memory_fraction']:.4f}" if c.get("memory_fraction") else ""
+        out += [f"### {c['card']} ({c['cap_bytes']} bytes{fraction})", ""]
+        out += [f"- attempt {o['number']} (started with `[{o['started_with']}]`): {o['kind'] or 'stopped'} at step {o['step']}"
+                + (f" in {o['phase']}" if o["kind"] == "oom" else "") + (f": {o['message']}" if o["kind"] not in ("finished",) and o["message"] else "")
+                for o in og["outcomes"]]
+        for o in og["outcomes"]:
+            if o["kind"] not in ("finished", "oom") and (o.get("traceback_tail") or o.get("log_tail")):
+                out += ["", f"Attempt {o['number']}'s output (end):", "", "```", (o.get("traceback_tail") or o["log_tail"])[-1500:].strip(), "```", ""]
+        out += [f"- oomguard measured: {x}" for x in og["measurements"]]
+        out += [f"- plan change: {x}" for x in og["plan_changes"]]
+        out += [f"- doctor: {x}" for x in og["decisions"]]
+        for plan, r in (oracle.get("measured") or {}).items():
+            who = "oomguard's plan" if r.get("landed") else "candidate"
+            predicted = (f" (predicted {_fmt(r['predicted_samples_per_s'])} samples/s, peak {fmt_bytes(r['predicted_peak_bytes'])})"
+                         if r.get("predicted_samples_per_s") else "")
+            out.append(f"- race, {who} `[{plan}]` (tier {r['faithfulness']}): {describe_measurement(r)}{predicted}")
+            if r.get("log_tail"):
+                out += ["", "```", r["log_tail"][-1500:].strip(), "```", ""]
+        out.append("")
+    out += ["## Sweep (uncapped)", "", "| plan | tier | peak allocated | peak reserved | samples/s | wall s |", "|---|---|---|---|---|---|"]
+    for shape in summary["sweep"]["results"]:
+        for r in shape["points"]:
+            status = f"{_fmt(r.get('samples_per_s'))}" if r.get("fits") else (r.get("error") or f"OOM in {r.get('oom_phase')}")
+            out.append(f"| `{r['plan_short']}` | {shape['tier']} | {fmt_bytes(r.get('peak_bytes'))} | {fmt_bytes(r.get('reserved_bytes'))} | {status} | "
+                       f"{_fmt(r.get('wall_s'), '.1f')} |")
+    out.append("")
+    return "\n".join(out)
+
+
+# Rough costs for the estimate printed at the start. SD 1.5 on an H200 (guesses, to be replaced
+# by the first run's numbers): a process start (imports, CUDA) ~10 s; a model built on the host
+# and moved ~5 s; an fp32 step of 16 samples ~1 s, ~3 s with the optimizer on the host. The
+# tiny model on two CPU cores (measured here): ~8 s per process start, ~0.3 s per plan and step.
+COSTS = {
+    "sd15": {"start": 10.0, "build": 5.0, "step": 1.0, "offload_step": 3.0, "static_bytes": 16 * 859_520_964},
+    "tiny": {"start": 8.0, "build": 0.3, "step": 0.3, "offload_step": 0.3, "static_bytes": 0},
+}
+
+
+def estimate(model: str, cards: list[Card], exact_shapes: int, steps: int) -> dict[str, Any]:
+    """Seconds each phase should take: ~4 plans probed per card, 2 points per exact shape (2 of 5
+    with offload), the race's candidates plus oomguard's plan per card. A card under the fp32
+    AdamW static memory (weights, gradients, two moments) needs optimizer offload: slower steps."""
+    c = COSTS[model]
+
+    def step(card: Card) -> float:
+        return c["offload_step"] if card.nbytes < 1.1 * c["static_bytes"] else c["step"]
+
+    oomguard = sum(c["start"] + 4 * (c["build"] + 2 * step(card)) + (1 + steps) * step(card) for card in cards)
+    sweep_cost = exact_shapes * 2 * (c["build"] + 2 * c["step"]) + 4 * 2 * (c["offload_step"] - c["step"])
+    race_cost = sum((RACE_CANDIDATES + 1) * (c["build"] + (1 + steps) * step(card)) for card in cards)
+    basis = "guessed costs for SD 1.5 on an H200" if model == "sd15" else "costs measured for the tiny model on 2 CPU cores"
+    return {"oomguard": oomguard, "sweep": sweep_cost, "race": race_cost, "total": oomguard + sweep_cost + race_cost + c["start"], "basis": basis}
+
+
+def machine_info(dry_run: bool) -> dict[str, Any]:
+    import torch
+
+    def version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    gpu = total = None
+    if not dry_run:
+        gpu = torch.cuda.get_device_name(0)
+        total = torch.cuda.get_device_properties(0).total_memory
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "gpu": gpu,
+        "gpu_total_bytes": total,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "diffusers": version("diffusers"),
+        "bitsandbytes": version("bitsandbytes"),
+        "peft": version("peft"),
+        "load_average_at_start": os.getloadavg()[0],
+    }
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU, a tiny model and emulated cards of a few MiB (writes gpu-dry-run.md/json)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the results go (default: bench/results)")
+    parser.add_argument("--budget", type=float, help=f"seconds for the whole check (default: {GPU_BUDGET_S:.0f}; {DRY_RUN_BUDGET_S:.0f} with --dry-run)")
+    parser.add_argument("--cards", help=f"card sizes, comma-separated (default: {','.join(GPU_CARDS)}; {','.join(DRY_RUN_CARDS)} with --dry-run)")
+    parser.add_argument("--batch", type=int, help=f"the effective batch on every card (default: {BATCH}; {DRY_RUN_BATCH} with --dry-run)")
+    parser.add_argument("--steps", type=int, help=f"timed steps per plan, after a warm one (default: {STEPS}; {DRY_RUN_STEPS} with --dry-run)")
+    parser.add_argument("--allow", help="rungs the job allows, comma-separated (default: all of them)")
+    parser.add_argument("--keep-workdirs", action="store_true", help="keep the attempts' workdirs (printed; an SD 1.5 checkpoint is 10 GB)")
+    parser.add_argument("--worker-attempt", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-measure", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker_attempt is not None:
+        return attempt_worker(args.worker_attempt)
+    if args.worker_measure:
+        return measure_worker()
+
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+
+    from oomguard.jobs.sizes import parse_size
+    from oomguard.strategies.names import RUNG_NAMES
+    from oomguard.strategies.plan import Plan
+    from oomguard.strategies.planner import faithfulness
+
+    model = "tiny" if args.dry_run else "sd15"
+    args.batch = args.batch or (DRY_RUN_BATCH if args.dry_run else BATCH)
+    args.steps = args.steps or (DRY_RUN_STEPS if args.dry_run else STEPS)
+    budget = args.budget or (DRY_RUN_BUDGET_S if args.dry_run else GPU_BUDGET_S)
+    card_names = [c.strip() for c in (args.cards or ",".join(DRY_RUN_CARDS if args.dry_run else GPU_CARDS)).split(",") if c.strip()]
+    cards = [Card(name, parse_size(name)) for name in card_names]
+    allow = tuple(a.strip() for a in args.allow.split(",")) if args.allow else RUNG_NAMES
+    job = make_job(model, args.batch, args.steps, allow)
+    start = job.initial_plan()
+    reps = representative_micro_batches(start)
+    machine = machine_info(args.dry_run)
+    if not args.dry_run:
+        too_big = [c.name for c in cards if c.nbytes > machine["gpu_total_bytes"]]
+        if too_big:
+            print(f"cards larger than the GPU ({fmt_bytes(machine['gpu_total_bytes'])}): {', '.join(too_big)}", file=sys.stderr)
+            return 2
+    threads = 1 if args.dry_run else None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(THREAD_ENV if args.dry_run else {})}
+    stem = "gpu-dry-run" if args.dry_run else "gpu"
+    command = ".venv/bin/python bench/gpu_check.py " + " ".join(a if " " not in a else repr(a) for a in sys.argv[1:])
+
+    where = machine["gpu"] or "the CPU (dry run: emulated device memory)"
+    log(f"{MODELS[model]['label']}; batch {args.batch}; cards {', '.join(c.label for c in cards)} on {where}"
+        + (f", {fmt_bytes(machine['gpu_total_bytes'])}" if machine["gpu_total_bytes"] else ""))
+    shapes = make_shapes(job, EXACT_SHAPES)
+    cost = estimate(model, cards, len(shapes), args.steps)
+    log(f"estimate: ~{cost['total']:.0f}s: oomguard ~{cost['oomguard']:.0f}s, sweep ~{cost['sweep']:.0f}s, oracle races ~{cost['race']:.0f}s "
+        f"({cost['basis']}); budget {budget:.0f}s: phases end at {OOMGUARD_SHARE * budget:.0f}s (oomguard), {SWEEP_SHARE * budget:.0f}s "
+        f"(sweep), {RACE_SHARE * budget:.0f}s (oracle races); what does not fit is skipped and listed")
+
+    scratch = Path(tempfile.mkdtemp(prefix="oomguard-gpu-check-"))
+    worker = MeasureWorker(env, scratch / "measure.log")
+    worker.start()  # its imports overlap the first attempt
+    measurer = Measurer(worker, job, model, args.steps)
+    cards_out: list[dict[str, Any]] = []
+    errors: list[str] = []
+    try:
+        # 1. oomguard on every card.
+        phase_end = budget * OOMGUARD_SHARE
+        for i, card in enumerate(cards):
+            # A card may run into the next cards' shares, as long as each keeps 3/4 of its own.
+            deadline = phase_end - (len(cards) - i - 1) * CARD_RESERVE * phase_end / len(cards)
+            log(f"oomguard on {card.label} (until {deadline:.0f}s)")
+            workdir = scratch / f"card-{card.name}"
+            workdir.mkdir()
+            result = run_oomguard(job, card, model, workdir, env, deadline, threads)
+            if not args.keep_workdirs:
+                shutil.rmtree(workdir, ignore_errors=True)  # an SD 1.5 checkpoint is 10 GB
+            log(f"{card.label}: {result['state']} on [{result['landed_plan']}] with {result['ooms']} OOMs in {result['attempts']} attempt(s), "
+                f"{_fmt(result['samples_per_s'])} samples/s, peak {fmt_bytes(result['peak_allocated_bytes'])} allocated, "
+                f"{fmt_bytes(result['peak_reserved_bytes'])} reserved ({result['wall_s']:.0f}s)")
+            fraction = card.nbytes / machine["gpu_total_bytes"] if machine["gpu_total_bytes"] else None
+            cards_out.append({"card": card.label, "cap_bytes": card.nbytes, "memory_fraction": fraction, "oomguard": result})
+
+        # 2. The sweep, uncapped: the exact shapes, and approximate tiers a card needs.
+        log(f"sweep, uncapped (until {budget * SWEEP_SHARE:.0f}s)")
+        in_time = sweep(measurer, shapes, budget * SWEEP_SHARE)
+        extra = make_shapes(job, APPROXIMATE_SHAPES)
+        for tier in sorted({s.tier for s in extra}):
+            if not in_time or all(fits_somewhere(shapes, c.nbytes, reps) for c in cards):
+                break
+            tier_shapes = [s for s in extra if s.tier == tier]
+            log(f"a card has no swept shape that fits: sweeping tier {tier} ({', '.join(s.name for s in tier_shapes)})")
+            shapes += tier_shapes
+            in_time = sweep(measurer, tier_shapes, budget * SWEEP_SHARE)
+
+        # 3. The oracle, per card, under its cap.
+        race_start = elapsed()
+        for i, (card, out) in enumerate(zip(cards, cards_out)):
+            deadline = race_start + (budget * RACE_SHARE - race_start) * (i + 1) / len(cards)
+            log(f"oracle for {card.label} (until {deadline:.0f}s)")
+            og = out["oomguard"]
+            landed = og["landed"] if og["state"] == "finished" else None
+            oracle = race(measurer, card, shapes, reps, landed, start, deadline)
+            out["oracle"] = oracle
+            landed_race = oracle.get("landed_race") or {}
+            landed_rate = landed_race.get("samples_per_s") if landed_race.get("fits") else None
+            out["ratio_source"] = "race" if landed_rate else "oomguard's own steps"
+            rate = landed_rate or og.get("samples_per_s")
+            if landed is None:
+                rate = None
+            out["ratio"] = rate / oracle["oracle_samples_per_s"] if rate and oracle.get("oracle_samples_per_s") else None
+            if landed is not None:
+                out["landed_faithfulness"] = faithfulness(start, Plan.from_dict(landed))
+            log(f"{card.label}: oracle [{oracle.get('oracle_plan')}] {_fmt(oracle.get('oracle_samples_per_s'))} samples/s; "
+                f"oomguard [{og['landed_plan']}] {_fmt(rate)}: ratio {_fmt(out['ratio'])}")
+    except Exception:  # noqa: BLE001 - a GPU session's few minutes: keep what was measured
+        errors.append(traceback.format_exc())
+        log(f"ERROR, writing what was measured so far:\n{errors[-1]}")
+    finally:
+        worker.close()
+        if args.keep_workdirs:
+            log(f"workdirs kept in {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    total = elapsed()
+    machine["load_average_at_end"] = os.getloadavg()[0]
+    summary = {
+        "command": command,
+        "machine": machine,
+        "settings": {"dry_run": args.dry_run, "model": model, "model_label": MODELS[model]["label"], "unet_config": MODELS[model]["unet"],
+                     "batch": args.batch, "steps": args.steps, "budget_s": budget, "cards": [c.label for c in cards],
+                     "allow": list(allow), "fit_margin": FIT_MARGIN, "race_candidates": RACE_CANDIDATES},
+        "total_s": total,
+        "errors": errors,
+        "skipped": measurer.skipped,
+        "cards": cards_out,
+        "sweep": {
+            "shapes": [s.name for s in shapes],
+            "results": [{"shape": s.name, "tier": s.tier, "points": [{**r, "plan_short": s.plan(mb).short(), "micro_batch": mb}
+                                                                      for mb, r in sorted(s.points.items(), reverse=True)]} for s in shapes],
+        },
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(markdown(summary))
+    log(f"wrote {args.out / (stem + '.md')} and {stem}.json; total {total:.0f}s of {budget:.0f}s")
+    print(card_rows(summary), flush=True)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
