@@ -39,11 +39,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# The ladder benchmark (bench/ladder.py): oomguard and accelerate's find_executable_batch_size
-# against the best plan there is, on the jobs in bench/jobs/ under emulated caps. About eight
-# minutes on 2 cores; results in bench/results/ (ladder.md, ladder.json, ladder.png).
+# The benchmarks, about fifteen minutes on 2 cores, results in bench/results/:
+# - bench/ladder.py: oomguard and accelerate's find_executable_batch_size against the best plan
+#   there is, on the jobs in bench/jobs/ under emulated caps (ladder.md, ladder.json, ladder.png);
+# - bench/speed.py: recovery latency, supervisor overhead, 10,000 queued jobs (speed.md, speed.json).
 bench: install
 	$(BIN)/python bench/ladder.py --update-readme
+	$(BIN)/python bench/speed.py --update-readme
 
 # Fault injection (bench/faults.py): 20 jobs per fault under a real daemon while runners and the
 # daemon are SIGKILLed, checkpoints damaged and the disk filled (the last as root only).

@@ -210,15 +210,17 @@ class Spool:
                 continue  # taken back by its owner meanwhile
             self._ready.put(path)
 
-    def pending(self) -> list[Path]:
-        """Inbox files to look at now (each at most once; missing ones are dropped). A file
-        whose name the daemon could not store or print is renamed first (:func:`safe_name`)."""
+    def pending(self, limit: int = 200) -> list[Path]:
+        """Inbox files to look at now, at most ``limit`` (the rest next time: 10,000 files
+        dropped at once must not hold the daemon's loop for minutes); each at most once,
+        missing ones dropped. A file whose name the daemon could not store or print is renamed
+        first (:func:`safe_name`)."""
         # The rescan is a safety net for events the observer missed (e.g. an overflowed
         # inotify queue); watchdog normally reports a file within milliseconds.
         if time.monotonic() - self._last_scan >= self.rescan_seconds:
             self._scan(settled_only=True)
         seen: list[Path] = []
-        while True:
+        while len(seen) < limit:
             try:
                 path = self._ready.get_nowait()
             except queue.Empty:

@@ -54,6 +54,11 @@ OUTPUT_TAIL_BYTES = 256 * 1024
 
 # An attempt without a new heartbeat for this long is reported as stalled (once).
 STALL_SECONDS = 1800.0
+# The scheduling pass: skipped while nothing changes, but run in full at least this often;
+# and at most this long per tick (a huge queue is gone through over several ticks, so that
+# attempts are still collected and systemd's watchdog still hears from the daemon).
+FULL_PASS_SECONDS = 10.0
+PASS_SECONDS = 1.0
 
 
 @dataclass
@@ -131,6 +136,13 @@ class Supervisor:
         self.stopping = False
         self.leaving = False
         self._running: dict[int, _Running] = {}
+        # The scheduling pass with 10,000 queued jobs must not keep a core busy: job files are
+        # parsed once, a job's need is computed again only after one of its attempts, and a
+        # pass that would see what the last one saw is skipped (see _start_queued).
+        self._specs: dict[int, JobSpec] = {}
+        self._needs: dict[int, tuple[tuple[Any, Any], Need]] = {}
+        self._last_pass: tuple[Any, ...] | None = None
+        self._last_pass_at = 0.0
         self._adopt()
 
     # Events and notifications ---------------------------------------------------------------
@@ -339,31 +351,62 @@ class Supervisor:
         if not queued:
             return
         limit = self.max_parallel if self.max_parallel is not None else (None if self.gpus is not None else 1)
+        if limit is not None and len(self._running) >= limit:
+            return
         # What the GPUs hold is read once per pass, and again only after an attempt started.
         gpus = self.gpus.read() if self.gpus is not None else None
+        # Nothing changed since the last pass (the same queue, the same attempts, the GPUs'
+        # free memory within 1/256 of each card): its answers stand. A full pass still runs every
+        # FULL_PASS_SECONDS, for what time changes (a job waiting too long).
+        seen = (
+            tuple((job["id"], job["plan"], job["wait_free_bytes"], job["cancel_requested"]) for job in queued),
+            tuple(sorted(self._running)),
+            tuple((g.index, g.free * 256 // max(g.total, 1), len(g.processes)) for g in gpus) if gpus is not None else None,
+        )
+        if seen == self._last_pass and time.monotonic() - self._last_pass_at < min(FULL_PASS_SECONDS, self.stall_seconds):
+            return
+        self._last_pass, self._last_pass_at = seen, time.monotonic()
         holders = self._holders(gpus) if gpus is not None else {}
+        answers: dict[Need, Placed | Any] = {}  # jobs with the same need get the same answer
+        deadline = time.monotonic() + PASS_SECONDS
         for job in queued:
             if limit is not None and len(self._running) >= limit:
+                return
+            if time.monotonic() > deadline:
+                self._last_pass = None  # the rest of the queue next tick
                 return
             if job["cancel_requested"]:
                 continue
             try:
-                started = self._try_to_start(job, gpus, holders)
+                started = self._try_to_start(job, gpus, holders, answers)
             except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
                 self._failed_on(job["id"], "starting an attempt", error)
                 continue
             if started and gpus is not None:
                 gpus = self.gpus.read()  # type: ignore[union-attr]
                 holders = self._holders(gpus)
+                answers.clear()
 
-    def _try_to_start(self, job: dict[str, Any], gpus: list[Any] | None, holders: dict[int, list[Holder]]) -> bool:
+    def _spec(self, job: dict[str, Any]) -> JobSpec:
+        """The job's spec, parsed once (a job's file never changes once it is queued)."""
+        spec = self._specs.get(job["id"])
+        if spec is None:
+            spec = self._specs[job["id"]] = JobSpec.from_dict(json.loads(job["spec"]))
+        return spec
+
+    def _try_to_start(
+        self, job: dict[str, Any], gpus: list[Any] | None, holders: dict[int, list[Holder]], answers: dict[Need, Any] | None = None,
+    ) -> bool:
         """Start the job's next attempt where it fits; False (and why, in the job) when it waits.
         A job that can never fit (more GPUs than the box has) waits like any other, saying so,
         and is reported stalled after --stall-after: a card may only be lost for a while."""
         placed: tuple[int, ...] | None = None
         if gpus is not None:
-            spec = JobSpec.from_dict(json.loads(job["spec"]))
-            where = place(self._need(job, spec), gpus, holders)
+            need = self._need(job, self._spec(job))
+            answers = {} if answers is None else answers
+            if need not in answers:
+                answers[need] = place(need, gpus, holders)
+            where = answers[need]
             if not isinstance(where, Placed):
                 # Lower-priority jobs may still fit elsewhere: the caller looks at them too. The
                 # reason is an event when it changes in words, not with every byte of free memory.
@@ -390,7 +433,16 @@ class Supervisor:
 
     def _need(self, job: dict[str, Any], spec: JobSpec) -> Need:
         """What the job needs free per GPU: after contention, what it waits for; else the peak
-        its plan measured (with the margin of a plan that ran); else what the job file says."""
+        its plan measured (with the margin of a plan that ran); else what the job file says.
+        Kept until one of the job's attempts starts or ends (the only times it changes)."""
+        cached = self._needs.get(job["id"])
+        if cached is not None and cached[0] == (job["plan"], job["wait_free_bytes"]):
+            return cached[1]
+        need = self._measure_need(job, spec)
+        self._needs[job["id"]] = ((job["plan"], job["wait_free_bytes"]), need)
+        return need
+
+    def _measure_need(self, job: dict[str, Any], spec: JobSpec) -> Need:
         free_bytes: int | None = job["wait_free_bytes"]
         if free_bytes is None:
             plan = Plan.from_dict(json.loads(job["plan"]))
@@ -412,7 +464,7 @@ class Supervisor:
             if not attempt["gpus"]:
                 continue
             job = self.store.job(attempt["job_id"])
-            spec = JobSpec.from_dict(json.loads(job["spec"]))
+            spec = self._spec(job)
             need = self._need(job, spec)
             for index in (int(i) for i in attempt["gpus"].split(",")):
                 used = sum(
@@ -621,6 +673,7 @@ class Supervisor:
         self, attempt: dict[str, Any], returncode: int | None, shim_recorded: bool = True, failed_process: dict[str, Any] | None = None,
     ) -> None:
         job = self.store.job(attempt["job_id"])
+        self._needs.pop(job["id"], None)  # its measurements change what it needs
         data = read_json(_attempt_files(attempt) / OUTCOME)
         outcome: Outcome | None = None
         if isinstance(data, dict):
@@ -725,6 +778,8 @@ class Supervisor:
         attempt["recoveries_reported"] = len(changes)
 
     def _end_job(self, job: dict[str, Any], state: str, result: str, report: str | None = None, next_step: str | None = None) -> None:
+        self._specs.pop(job["id"], None)
+        self._needs.pop(job["id"], None)
         self.store.update_job(job["id"], state=state, ended_at=time.time(), result=result, report=report, waiting=None, waiting_since=None)
         self.event(job, state, result + (f"\n{report}" if report else ""), next_step=next_step)
 
