@@ -141,6 +141,9 @@ class Supervisor:
         # pass that would see what the last one saw is skipped (see _start_queued).
         self._specs: dict[int, JobSpec] = {}
         self._needs: dict[int, tuple[tuple[Any, Any], Need]] = {}
+        # Jobs retried after a crash start no earlier than this (time.monotonic(); forgotten
+        # by a restarted daemon, which retries at once).
+        self._not_before: dict[int, float] = {}
         self._last_pass: tuple[Any, ...] | None = None
         self._last_pass_at = 0.0
         self._adopt()
@@ -363,7 +366,8 @@ class Supervisor:
             tuple(sorted(self._running)),
             tuple((g.index, g.free * 256 // max(g.total, 1), len(g.processes)) for g in gpus) if gpus is not None else None,
         )
-        if seen == self._last_pass and time.monotonic() - self._last_pass_at < min(FULL_PASS_SECONDS, self.stall_seconds):
+        due = any(when <= time.monotonic() for when in self._not_before.values())
+        if seen == self._last_pass and not due and time.monotonic() - self._last_pass_at < min(FULL_PASS_SECONDS, self.stall_seconds):
             return
         self._last_pass, self._last_pass_at = seen, time.monotonic()
         holders = self._holders(gpus) if gpus is not None else {}
@@ -377,6 +381,11 @@ class Supervisor:
                 return
             if job["cancel_requested"]:
                 continue
+            not_before = self._not_before.get(job["id"])
+            if not_before is not None:
+                if time.monotonic() < not_before:
+                    continue
+                del self._not_before[job["id"]]
             try:
                 started = self._try_to_start(job, gpus, holders, answers)
             except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
@@ -747,7 +756,11 @@ class Supervisor:
             )
             self.event(job, "contention", decision.reason)
         elif isinstance(decision, Retry):
-            self.store.update_job(job["id"], state="queued", next_rung=None, next_reason=decision.reason)
+            waiting = None
+            if decision.after_seconds > 0:
+                self._not_before[job["id"]] = time.monotonic() + decision.after_seconds
+                waiting = f"retrying after a crash, in {decision.after_seconds:.0f} s"
+            self.store.update_job(job["id"], state="queued", next_rung=None, next_reason=decision.reason, waiting=waiting)
             self.event(job, "retry", decision.reason)
         elif isinstance(decision, GiveUp):
             self._end_job(

@@ -67,9 +67,17 @@ class NextPlan:
 
 @dataclass(frozen=True)
 class Retry:
-    """Run the same plan again (a crash that may be transient, or an interruption)."""
+    """Run the same plan again (a crash that may be transient, or an interruption), not
+    before ``after_seconds``: a crash that comes from the machine (a full disk, a lost mount)
+    must not use up every retry in the seconds it lasts."""
 
     reason: str
+    after_seconds: float = 0.0
+
+
+# Crash retry n (from 1) waits this long times 3**(n-1), at most CRASH_BACKOFF_MAX_SECONDS.
+CRASH_BACKOFF_SECONDS = 5.0
+CRASH_BACKOFF_MAX_SECONDS = 300.0
 
 
 @dataclass(frozen=True)
@@ -243,9 +251,11 @@ def _after_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
         streak += 1
     retries_used = streak - 1
     if retries_used < policy.crash_retries:
+        delay = min(CRASH_BACKOFF_SECONDS * 3**retries_used, CRASH_BACKOFF_MAX_SECONDS)
         return Retry(
             reason=f"the attempt {outcome.kind} ({outcome.message.strip() or 'no message'}); "
-            f"retry {retries_used + 1} of {policy.crash_retries} with the same plan"
+            f"retry {retries_used + 1} of {policy.crash_retries} with the same plan in {delay:.0f} s",
+            after_seconds=delay,
         )
     return GiveUp(
         reason=f"the attempt {outcome.kind} {streak} times in a row with the same plan: {outcome.message.strip()}",

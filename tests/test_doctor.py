@@ -640,3 +640,16 @@ def test_when_nothing_fits_without_the_unsafe_rung_the_job_ends_without_suggesti
     assert "Rungs marked unsafe for this job (its loss diverged under them): precision." in decision.report
     suggestion = decision.reason.split("would, with")[-1] + decision.report.split("[ladder] allow = [")[-1]
     assert '"precision"' not in suggestion and "precision (not allowed)" not in suggestion
+
+
+def test_crash_retries_back_off_so_that_a_passing_trouble_does_not_use_them_all():
+    history, waits = [], []
+    for _ in range(4):
+        history.append(PastAttempt(START, crash()))
+        decision = decide(history[-1].outcome, START, history, Policy(crash_retries=4))
+        assert isinstance(decision, Retry)
+        waits.append(decision.after_seconds)
+    assert waits == [5.0, 15.0, 45.0, 135.0]
+    assert decision.reason.endswith("retry 4 of 4 with the same plan in 135 s")
+    interrupted = Outcome(kind="interrupted", step=3, message="stopped")
+    assert decide(interrupted, START, [PastAttempt(START, interrupted)], Policy()).after_seconds == 0.0
