@@ -49,7 +49,7 @@ bench: install
 
 # Fault injection (bench/faults.py): 20 jobs per fault under a real daemon while runners and the
 # daemon are SIGKILLed, checkpoints damaged and the disk filled (the last as root only).
-# About ten minutes on 2 cores; results in bench/results/faults.md and faults.json.
+# About 17 minutes on 2 cores; results in bench/results/faults.md and faults.json.
 faults: install
 	$(BIN)/python bench/faults.py --update-readme
 

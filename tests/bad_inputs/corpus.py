@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.jobs_helpers import TINY_JOB
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -32,26 +34,7 @@ MANIFEST = HERE / "manifest.toml"
 BAD_JOBS = HERE.parent / "bad_jobs"
 
 # A job file that passes validation (what links point to: the link, not the job, is the problem).
-VALID_JOB = """\
-name = "linked-job"
-trainer = "unconditional"
-
-[data]
-source = "synthetic:8"
-resolution = 16
-
-[model]
-block_out_channels = [8, 16]
-layers_per_block = 1
-down_block_types = ["DownBlock2D", "DownBlock2D"]
-up_block_types = ["UpBlock2D", "UpBlock2D"]
-norm_num_groups = 4
-
-[train]
-batch_size = 4
-max_steps = 2
-learning_rate = 1e-3
-"""
+VALID_JOB = TINY_JOB.format(name="linked-job", batch_size=4, max_steps=2, checkpoint_every_steps=1, keep_checkpoints=2)
 
 
 @dataclass(frozen=True)
