@@ -105,10 +105,18 @@ class CommandSpec:
             processes=int(data.get("processes", 1)),
         )
 
+    def templates(self) -> list[tuple[str, str]]:
+        """Every template with the key it stands under: ("argv", ...), ("when.KNOB", ...), ("env.NAME", ...)."""
+        return [
+            *(("argv", argument) for argument in self.argv),
+            *((f"when.{knob}", argument) for knob, arguments in self.when for argument in arguments),
+            *((f"env.{name}", value) for name, value in self.env),
+        ]
+
     def placeholders(self) -> set[str]:
         names: set[str] = set()
-        for argument in (*self.argv, *(a for _, args in self.when for a in args), *(v for _, v in self.env)):
-            names |= placeholders_in(argument)
+        for where, argument in self.templates():
+            names |= placeholders_in(argument, where)
         return names
 
 
@@ -123,12 +131,7 @@ def placeholders_in(argument: str, where: str = "argv") -> set[str]:
 def check(command: CommandSpec) -> None:
     """Every placeholder known and bare, every [command.when] key known. The error says where
     (``where``): an unknown placeholder in [command.env] used to be reported as command.argv."""
-    places = [
-        *(("argv", argument) for argument in command.argv),
-        *((f"when.{knob}", argument) for knob, arguments in command.when for argument in arguments),
-        *((f"env.{name}", value) for name, value in command.env),
-    ]
-    for where, argument in places:
+    for where, argument in command.templates():
         for name in sorted(placeholders_in(argument, where)):
             if name not in PLACEHOLDERS or not re.fullmatch(r"[a-z_]+", name):
                 known = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
