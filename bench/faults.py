@@ -14,11 +14,19 @@ checkpoint every 4) while this script does the damage, chosen by the seed:
   attempt has to choose a checkpoint.
 - ``disk-full``: the jobs' workdirs on a small tmpfs; when a job starts writing a checkpoint,
   fill the disk, and free it again once that attempt has ended (root only: it mounts).
+- ``host-memory``: host RAM runs out while jobs offload their optimizer state to it (root
+  only: a memory cgroup). The daemon and everything it starts run in a memory cgroup; a job
+  whose emulated device (30 MiB) fits only with the offload rung trains with its optimizer in
+  host memory, and at a step chosen by its seed the cgroup's limit is lowered to what it uses
+  plus 48 MiB while a hog process allocates 96 MiB there: the kernel's OOM killer ends a
+  runner (bench/host_pressure.py). The limit is lifted a second later. The attempt must be
+  recorded as host_oom and the job resume from its checkpoint.
 - ``nan-after-precision``: a job that must take the precision rung while memory is short
   (its device has 2.1 MiB for 4 steps, then 64 MiB); after its 8th step under bf16 the runner
   turns a weight into NaN (OOMGUARD_INJECT_FAULT, jobs/faults.py), so the checkpoint of that
   step holds NaN and the next loss is NaN. Its final weights differ from the reference by
-  design (bf16 for a while), so only their finiteness is checked.
+  design (bf16 for a while), so only their finiteness is checked; so are the host-memory
+  jobs' (a larger model, with no run without faults to compare with).
 
 Measured for each fault: jobs finished; jobs lost (not finished, or finished without a
 complete, finite final model; must be 0); losses diverged; optimizer steps recomputed (steps
@@ -52,9 +60,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import host_pressure
+from host_pressure import MemoryCgroup, squeeze
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
-FAULTS = ("kill-runner", "kill-daemon", "corrupt-checkpoint", "disk-full", "nan-after-precision")
+FAULTS = ("kill-runner", "kill-daemon", "corrupt-checkpoint", "disk-full", "host-memory", "nan-after-precision")
 MAX_STEPS = 24
 CHECKPOINT_EVERY = 4
 # One thread per process: two attempts share the two cores without oversubscribing them.
@@ -102,6 +113,18 @@ NAN_JOB = (
 )
 
 
+# The host-memory fault needs a job that offloads: its weights (2.3 M, 64 and 128 channels at
+# 8x8) dominate, so on a 30 MiB device the full plan runs out in the optimizer step (40.7 MiB
+# peak, measured) and the doctor takes the offload rung (19.8 MiB predicted), which keeps the
+# AdamW state (18 MiB) in host memory.
+OFFLOAD_JOB = (
+    JOB.replace("resolution = 16", "resolution = 8")
+    .replace("block_out_channels = [8, 16]", "block_out_channels = [64, 128]")
+    .replace("norm_num_groups = 4", "norm_num_groups = 8")
+    .replace("[ladder]\nprobe = false", '[ladder]\nallow = ["offload"]\nprobe = false')
+)
+
+
 @dataclass(frozen=True)
 class Setting:
     """How one fault's jobs and daemon are set up (default: the small job, no cap)."""
@@ -109,9 +132,11 @@ class Setting:
     job: str = JOB
     daemon_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    in_memory_cgroup: bool = False  # the daemon and all it starts (host-memory)
 
 
 SETTINGS: dict[str, Setting] = {
+    "host-memory": Setting(job=OFFLOAD_JOB, daemon_args=("--emulate-device-memory", "30MiB"), in_memory_cgroup=True),
     "nan-after-precision": Setting(
         job=NAN_JOB,
         daemon_args=("--emulate-device-memory", "2.1MiB,64MiB@4"),
@@ -133,10 +158,11 @@ def oomguard(state_dir: Path, *args: str, timeout: float = 60) -> subprocess.Com
 class Daemon:
     """One `oomguard daemon` at a time on a state directory; kill() and start() again."""
 
-    def __init__(self, state_dir: Path, env: dict[str, str], extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, state_dir: Path, env: dict[str, str], extra: tuple[str, ...] = (), cgroup: MemoryCgroup | None = None) -> None:
         self.state_dir = state_dir
         self.env = env
         self.extra = extra
+        self.cgroup = cgroup
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -146,6 +172,7 @@ class Daemon:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(self.state_dir), "daemon", "--poll-interval", "0.1", "--max-parallel", "2", *self.extra],
                 stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                preexec_fn=self._prepare,
             )
         self.starts += 1
         # Wait until it has taken the lock and watches the spool (a new daemon after a kill
@@ -155,6 +182,14 @@ class Daemon:
             if time.monotonic() > deadline or self.process.poll() is not None:
                 raise RuntimeError(f"the daemon did not start: {(self.state_dir / 'daemon.out').read_text()[-2000:]}")
             time.sleep(0.05)
+
+    def _prepare(self) -> None:
+        """In the daemon's process before it runs: join the cgroup before it starts anything
+        (its shims and runners inherit it). Its OOM score stays at the default 0 (lowering it,
+        as systemd/oomguard.service does, needs CAP_SYS_RESOURCE): the runners' raised score
+        alone must make the kernel pick a runner rather than the daemon or a shim."""
+        if self.cgroup is not None:
+            self.cgroup.add(os.getpid())
 
     def kill(self) -> None:
         assert self.process is not None
@@ -234,7 +269,7 @@ def kill_runner(run: Run, seed: int, reason: str, during_checkpoint: bool = Fals
     return attempt
 
 
-def wait_until(run: Run, seed: int, condition: Callable[[], Any], poll: float = 0.01) -> Any:
+def wait_until(run: Run, seed: int, condition: Callable[[], Any], poll: float = 0.05) -> Any:
     """The first true value of ``condition``, or None once the job is over."""
     while not run.job_over(seed):
         value = condition()
@@ -245,16 +280,19 @@ def wait_until(run: Run, seed: int, condition: Callable[[], Any], poll: float = 
 
 
 class CheckpointWatch:
-    """inotify on every job's checkpoints folder: ``started[seed]`` is set the moment a
-    checkpoint write begins (its temporary folder appears), ``written[seed]`` holds the steps
-    of the checkpoints completed (renamed into place)."""
+    """inotify on every job's checkpoints folder. ``on_start(seed)`` runs in the watcher's
+    thread the moment a checkpoint write begins (its temporary folder appears), as does the
+    action given to ``at_next_start``; ``written[seed]`` holds the steps of the checkpoints
+    completed (renamed into place), and ``wait_written`` waits for one without polling."""
 
     def __init__(self, run: Run, on_start: Callable[[int], None] | None = None) -> None:
         from watchdog.events import FileSystemEventHandler
         from watchdog.observers import Observer
 
-        self.started = {seed: threading.Event() for seed in run.seeds}
+        self.run = run
         self.written: dict[int, list[int]] = {seed: [] for seed in run.seeds}
+        self.changed = {seed: threading.Event() for seed in run.seeds}
+        self.armed: dict[int, Callable[[], None]] = {}
         watch = self
 
         class Handler(FileSystemEventHandler):
@@ -263,7 +301,9 @@ class CheckpointWatch:
 
             def on_created(self, event: Any) -> None:
                 if event.is_directory and Path(event.src_path).name.startswith(".tmp-step-"):
-                    watch.started[self.seed].set()
+                    action = watch.armed.pop(self.seed, None)
+                    if action is not None:
+                        action()
                     if on_start is not None:
                         on_start(self.seed)
 
@@ -271,12 +311,39 @@ class CheckpointWatch:
                 name = Path(event.dest_path).name
                 if name.startswith("step-") and name[5:].isdigit():
                     watch.written[self.seed].append(int(name[5:]))
+                    watch.changed[self.seed].set()
 
         self.observer = Observer()
         for seed in run.seeds:
             folder = run.job_dir(seed) / "checkpoints"
             folder.mkdir(parents=True, exist_ok=True)
             self.observer.schedule(Handler(seed), str(folder), recursive=False)
+
+    def at_next_start(self, seed: int, action: Callable[[], Any]) -> Any:
+        """Run ``action`` in the watcher's thread the moment the job's next checkpoint write
+        begins; its result, or None when the job is over first."""
+        results: list[Any] = []
+        done = threading.Event()
+
+        def fire() -> None:
+            results.append(action())
+            done.set()
+
+        self.armed[seed] = fire
+        while not done.wait(0.2):
+            if self.run.job_over(seed):
+                self.armed.pop(seed, None)
+                break
+        return results[0] if results else None
+
+    def wait_written(self, seed: int, step: int) -> bool:
+        """Wait until the job's checkpoint of ``step`` is complete; False when the job is over first."""
+        while step not in self.written[seed]:
+            if self.run.job_over(seed):
+                return False
+            self.changed[seed].wait(0.2)
+            self.changed[seed].clear()
+        return True
 
     def __enter__(self) -> CheckpointWatch:
         self.observer.start()
@@ -311,17 +378,14 @@ def inject_kill_runner(run: Run) -> None:
                     killed = kill_runner(run, seed, f"after step {steps_done(attempt)}") or killed
                 else:
                     # The moment its next checkpoint write begins.
-                    watch.started[seed].clear()
-                    if wait_until(run, seed, watch.started[seed].is_set, poll=0.002) is None:
-                        return
-                    killed = kill_runner(run, seed, "while it writes a checkpoint", during_checkpoint=True) or killed
+                    killed = watch.at_next_start(seed, lambda: kill_runner(run, seed, "while it writes a checkpoint", during_checkpoint=True)) or killed
 
         per_job(run, one_job)
 
 
 def inject_kill_daemon(run: Run) -> None:
     rng = run.rng(-1)
-    while not run.done.wait(rng.uniform(0.5, 4.0)):
+    while not run.done.wait(rng.uniform(0.3, 2.0)):
         run.daemon.kill()
         run.record(None, "SIGKILL daemon")
         run.daemon.start()
@@ -353,8 +417,10 @@ def inject_corrupt_checkpoint(run: Run) -> None:
             # Right after a checkpoint chosen by the seed is written: stop the runner (so that
             # it cannot prune or rewrite it), damage the newest checkpoint, and let the next
             # attempt choose.
-            target = rng.choice(range(CHECKPOINT_EVERY, MAX_STEPS, CHECKPOINT_EVERY))
-            if wait_until(run, seed, lambda: target in watch.written[seed], poll=0.002) is None:
+            # No later than two checkpoints before the end: the runner must still be training
+            # (not already exiting) when it is killed.
+            target = rng.choice(range(CHECKPOINT_EVERY, MAX_STEPS - CHECKPOINT_EVERY, CHECKPOINT_EVERY))
+            if not watch.wait_written(seed, target):
                 return
             if kill_runner(run, seed, f"after its checkpoint of step {target}") is None:
                 return
@@ -374,8 +440,12 @@ def inject_disk_full(run: Run) -> None:
     def fill(seed: int) -> None:
         with run.lock:
             attempt = run.newest_attempt(seed)
-            if full_during or attempt is None or any(i["job"] == f"seed-{seed}" for i in run.injected):
-                return  # one fill per job, one at a time
+            if attempt is None or any(i["job"] == f"seed-{seed}" for i in run.injected):
+                return  # one full disk per job
+            if full_during:
+                # Still full from another job's fill: this checkpoint write meets it too.
+                run.injected.append({"job": f"seed-{seed}", "what": "its checkpoint write met the disk filled for another job", "at": time.time(), "during_checkpoint": True})
+                return
             with filler.open("ab") as out:
                 try:
                     while True:
@@ -400,12 +470,55 @@ def inject_disk_full(run: Run) -> None:
     filler.unlink(missing_ok=True)
 
 
+def offloads(attempt_dir: Path) -> bool:
+    try:
+        return json.loads((attempt_dir / "attempt.json").read_text())["plan"]["offload"] != "none"
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def inject_host_memory(run: Run) -> None:
+    """Once per job: when an attempt of it that keeps its optimizer in host memory has trained
+    a few steps (chosen by the seed), squeeze the host memory of the daemon's cgroup, one
+    squeeze at a time. The kernel ends the runner it scores highest (often this job's, maybe
+    the other one running)."""
+    one_at_a_time = threading.Lock()
+    cgroup = run.daemon.cgroup
+    assert cgroup is not None
+
+    def one_job(run: Run, seed: int, rng: random.Random) -> None:
+        steps = rng.randint(1, 3)
+        while True:
+            attempt = wait_until(run, seed, lambda: (a := run.newest_attempt(seed)) and offloads(a) and steps_done(a) >= steps and a)
+            if attempt is None:
+                return
+            with one_at_a_time:
+                if (attempt / "exit.json").exists() or not processes_of(attempt) or steps_done(attempt) > MAX_STEPS - CHECKPOINT_EVERY:
+                    continue  # it ended (or nearly) while another squeeze went on: wait for its next attempt
+                episode = squeeze(cgroup)
+            run.record(
+                seed,
+                f"host memory squeezed after step {steps_done(attempt)} of an offloading attempt "
+                f"(limit {episode.limit >> 20} MiB, {episode.usage_before >> 20} MiB in use): {episode.kills} OOM kill(s)",
+            )
+            return
+
+    per_job(run, one_job)
+
+
+def processes_of(attempt_dir: Path) -> set[int]:
+    from oomguard.daemon import processes
+
+    return processes.marked_with(str(attempt_dir))
+
+
 INJECTORS: dict[str, Callable[[Run], None]] = {
     "none": lambda run: None,
     "kill-runner": inject_kill_runner,
     "kill-daemon": inject_kill_daemon,
     "corrupt-checkpoint": inject_corrupt_checkpoint,
     "disk-full": inject_disk_full,
+    "host-memory": inject_host_memory,
     # Injected inside the runner (OOMGUARD_INJECT_FAULT, jobs/faults.py); read from the logs.
     "nan-after-precision": lambda run: None,
 }
@@ -426,19 +539,22 @@ def run_fault(fault: str, seeds: list[int], base: Path, rng_seed: int, deadline_
         mounted = True
     setting = SETTINGS.get(fault, Setting())
     env = {**os.environ, **THREAD_ENV, **dict(setting.env)}
-    daemon = Daemon(state_dir, env, setting.daemon_args)
+    cgroup = MemoryCgroup.create(f"oomguard-faults-{os.getpid()}") if setting.in_memory_cgroup else None
+    daemon = Daemon(state_dir, env, setting.daemon_args, cgroup)
     run = Run(fault, state_dir, workdirs, seeds, rng_seed, daemon)
     started = time.monotonic()
     try:
         daemon.start()
+        # The injector watches before the first job is submitted: a job may write its first
+        # checkpoint before the last one is in.
+        injector = threading.Thread(target=INJECTORS[fault], args=(run,), daemon=True)
+        injector.start()
         for seed in seeds:
             job_file = base / fault / f"seed-{seed}.toml"
             job_file.write_text(setting.job.format(seed=seed, workdir=f'workdir = "{run.job_dir(seed)}"', max_steps=MAX_STEPS, checkpoint_every=CHECKPOINT_EVERY))
             result = oomguard(state_dir, "submit", str(job_file))
             if result.returncode != 0:
                 raise RuntimeError(f"submit failed: {result.stdout}{result.stderr}")
-        injector = threading.Thread(target=INJECTORS[fault], args=(run,), daemon=True)
-        injector.start()
         ended = wait_for_jobs(state_dir, len(seeds), started + deadline_s)
         run.done.set()
         injector.join(timeout=120)
@@ -449,6 +565,11 @@ def run_fault(fault: str, seeds: list[int], base: Path, rng_seed: int, deadline_
         daemon.stop()
         if mounted:
             subprocess.run(["umount", "-l", str(workdirs)], check=False)
+        if cgroup is not None:
+            try:
+                cgroup.remove()
+            except OSError as error:
+                log(f"{fault}: could not remove {cgroup.path}: {error}")
 
 
 def wait_for_jobs(state_dir: Path, count: int, deadline: float) -> list[dict[str, Any]]:
@@ -502,6 +623,7 @@ def measure(run: Run, records: list[dict[str, Any]], elapsed: float, setting: Se
         jobs.append({
             "name": record["name"], "state": record["state"], "finished": finished,
             "diverged": sum(1 for a in record["attempts"] if (a.get("outcome") or {}).get("kind") == "diverged"),
+            "host_oom": sum(1 for a in record["attempts"] if (a.get("outcome") or {}).get("kind") == "host_oom"),
             "attempts": len(record["attempts"]),
             "steps_trained": steps_trained, "recomputed": max(0, steps_trained - MAX_STEPS), "damaged_skipped": skipped,
             "corrupt_loaded": corrupt_loaded, "final": str(final) if finished else None, "result": record.get("result"),
@@ -544,6 +666,7 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "finished": sum(job["finished"] for job in jobs),
             "lost": sum(not job["finished"] for job in jobs),
             "diverged": sum(job["diverged"] for job in jobs),
+            "host_oom": sum(job["host_oom"] for job in jobs),
             "recomputed": sum(job["recomputed"] for job in jobs),
             "damaged_skipped": sum(job["damaged_skipped"] for job in jobs),
             "corrupt_loaded": sum(job["corrupt_loaded"] for job in jobs),
@@ -568,18 +691,19 @@ def write_report(
         f"Each job: a small UNet, batch 8, {MAX_STEPS} optimizer steps, a checkpoint every {CHECKPOINT_EVERY} (2 kept), "
         "one job per seed, two attempts at once under one real daemon. 'recomputed' is optimizer steps trained beyond "
         "the jobs' max_steps (work a fault threw away); 'same weights' compares each job's final weights with the same "
-        "job trained without faults (rtol 1e-5).",
+        "job trained without faults (rtol 1e-5). The host-memory jobs are a larger UNet (64 and 128 channels at 8x8) "
+        "that fits its 30 MiB emulated device only with its optimizer offloaded to host memory.",
         "",
-        "| fault | jobs | faults injected | of them during a checkpoint write | finished | lost | losses diverged | steps recomputed | damaged or NaN checkpoints skipped | corrupt checkpoints loaded | same final weights | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fault | jobs | faults injected | of them during a checkpoint write | finished | lost | losses diverged | attempts ended host_oom | steps recomputed | damaged or NaN checkpoints skipped | corrupt checkpoints loaded | same final weights | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
             f"| {row['fault']} | {row['jobs']} | {row['injected']} | {row['during_checkpoint']} | {row['finished']} | {row['lost']} | "
-            f"{row['diverged']} | {row['recomputed']} | {row['damaged_skipped']} | {row['corrupt_loaded']} | {row['same_weights']} | {row['seconds']} |"
+            f"{row['diverged']} | {row['host_oom']} | {row['recomputed']} | {row['damaged_skipped']} | {row['corrupt_loaded']} | {row['same_weights']} | {row['seconds']} |"
         )
     for fault, why in skipped.items():
-        lines.append(f"| {fault} | skipped: {why} | | | | | | | | | | |")
+        lines.append(f"| {fault} | skipped: {why} | | | | | | | | | | | |")
     lines += ["", "## What was done to each job", ""]
     for r in results:
         if r["fault"] == "none":
@@ -628,6 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     if "disk-full" in faults and not can_mount():
         faults.remove("disk-full")
         skipped["disk-full"] = "needs root to mount a small tmpfs"
+    if "host-memory" in faults and (why := host_pressure.unavailable()):
+        faults.remove("host-memory")
+        skipped["host-memory"] = why
     seeds = list(range(args.seeds))
     command = "python bench/faults.py " + " ".join(argv if argv is not None else sys.argv[1:])
     results = []

@@ -16,16 +16,19 @@ supervising a job costs it per step, and how the daemon copes with a long queue.
       the store's attempt rows and events, the new attempt's attempt.json, and the moments the
       script prints with time.time().
 2. Supervisor overhead: the same job under the daemon (A: daemon + shim + runner) and bare
-   (B: ``python -m oomguard.jobs.run ATTEMPT_DIR`` on a copy of the attempt.json the daemon
-   wrote, with the environment the daemon gives it). Both train at once but take turns of a
-   second: the arm not running is stopped whole (SIGSTOP), turns in ABBA order, so the shared
-   machine's drift hits both alike. Median step time of each arm, their ratio with a bootstrap
-   interval over pairs of turns, the runner's CPU time per step and the supervisor's own CPU.
+   twice (B and C: ``python -m oomguard.jobs.run ATTEMPT_DIR`` on copies of the attempt.json
+   the daemon wrote, with the environment the daemon gives it). All train at once but take
+   turns of a second: the arms not running are stopped whole (SIGSTOP), turns in rounds that
+   go through every order of the three, so the shared machine's drift hits all alike. A over
+   the bare runs together is the overhead; C over B, two identical bare processes, is the
+   control: how far apart two runs of the same process land in this measurement. Median step
+   times, ratios with bootstrap intervals over rounds, the runner's CPU time per step and the
+   supervisor's own CPU.
 3. Queue scale: one daemon with one emulated GPU that a neighbour process has nearly filled,
    so every queued job waits (a job that has not measured its need waits for a 90 % free
    GPU): a sample through ``oomguard submit``, the rest dropped into spool/inbox the way
-   submit does it, until the daemon has queued them all; then ``oomguard status`` and
-   ``oomguard show`` wall times, the store's size, and the daemon's CPU use while it idles
+   submit does it, until the daemon has queued them all; then ``oomguard status`` (the head
+   of the queue), ``oomguard status --all`` and ``oomguard show`` wall times, the store's size, and the daemon's CPU use while it idles
    with the whole queue.
 
 Every process the benchmark starts runs with one thread (OMP_NUM_THREADS=1), as in
@@ -672,18 +675,22 @@ def restart_recovery(processes: Processes, scratch: Path, reps: int, timeout: fl
 
 # Steps at the start of each run that are left out: the first builds the optimizer state.
 WARM_STEPS = 2
+# The orders of the three arms' turns, one per round in turn: each arm goes first, second and
+# third equally often, after each of the others equally often.
+ROUND_ORDERS = ("ABC", "CBA", "BCA", "ACB", "CAB", "BAC")
 
 
 def supervisor_overhead(
     processes: Processes, tailer: Tailer, scratch: Path, pairs: int, window: float, timeout: float, deadline: float | None = None, min_pairs: int = 2,
     overlap_start: bool = False,
 ) -> dict[str, Any]:
-    """Arm A (daemon + shim + runner) and arm B (the runner alone) train the same job at the
-    same time, but only one arm runs at any moment: the other arm's processes are stopped
-    (SIGSTOP, all of them: daemon, shim and runner), and the arms take turns of ``window``
-    seconds, ``pairs`` turns each, in ABBA order. Drift of the shared machine's load then hits
-    both arms alike, and each arm's start-up is paid once. ``overlap_start`` (--quick) starts
-    the two arms at once, which saves time and spoils the start-up figures."""
+    """Arm A (daemon + shim + runner) and arms B and C (the runner alone, twice: C is the
+    control) train the same job at the same time, but only one arm runs at any moment: the
+    others' processes are stopped (SIGSTOP, all of them: daemon, shim and runner), and the arms
+    take turns of ``window`` seconds, ``pairs`` rounds of one turn each, the rounds going
+    through the six orders of the three arms in turn. Drift of the shared machine's load then
+    hits all arms alike, and each arm's start-up is paid once. ``overlap_start`` (--quick)
+    starts the arms at once, which saves time and spoils the start-up figures."""
     from oomguard.daemon.users import Account, child_environment
     from oomguard.jobs.attempt import AttemptConfig
     from oomguard.strategies import ladder
@@ -693,7 +700,7 @@ def supervisor_overhead(
     job_file = write_job(folder, "speed-overhead", MODEL_QUICKSTART, 8, 100000, 100000, ["allocator", "micro_batch", "checkpointing"])
     arms: dict[str, dict[str, Any]] = {}
     daemon: Daemon | None = None
-    bare: subprocess.Popen[bytes] | None = None
+    bare: dict[str, subprocess.Popen[bytes]] = {}
     turns: list[dict[str, Any]] = []
     try:
         # A: a daemon, the job submitted to it; once it has trained its warm steps, stopped.
@@ -717,34 +724,35 @@ def supervisor_overhead(
 
         if not overlap_start:
             hold_a()
-        # B: the same runner on a copy of the attempt.json the daemon wrote, with the
+        # B and C: the same runner on copies of the attempt.json the daemon wrote, with the
         # environment the daemon gives an attempt of this user; no daemon, no shim.
-        workdir = folder / "bare"
-        b_dir = workdir / "attempts" / "001"
-        config = AttemptConfig.from_dict({**json.loads((a_dir / "attempt.json").read_text()), "workdir": str(workdir)})
-        config.write(b_dir)
-        env = ladder.process_environment(config.plan, child_environment(Account.current(), os.environ))
-        tailer.watch(b_dir / "output.log")
-        with (b_dir / "output.log").open("ab") as output:
-            started = time.time()
-            bare = processes.popen([PYTHON, "-m", "oomguard.jobs.run", str(b_dir)], stdout=output, env=env, cwd=workdir)
-        arms["B"] = {"dir": b_dir, "started": started, "groups": [bare.pid], "alive": lambda: bare.poll() is None}
+        for arm, workdir in (("B", folder / "bare"), ("C", folder / "bare-control")):
+            arm_dir = workdir / "attempts" / "001"
+            config = AttemptConfig.from_dict({**json.loads((a_dir / "attempt.json").read_text()), "workdir": str(workdir)})
+            config.write(arm_dir)
+            env = ladder.process_environment(config.plan, child_environment(Account.current(), os.environ))
+            tailer.watch(arm_dir / "output.log")
+            with (arm_dir / "output.log").open("ab") as output:
+                started = time.time()
+                process = bare[arm] = processes.popen([PYTHON, "-m", "oomguard.jobs.run", str(arm_dir)], stdout=output, env=env, cwd=workdir)
+            arms[arm] = {"dir": arm_dir, "started": started, "groups": [process.pid], "alive": lambda process=process: process.poll() is None}
         if overlap_start:
             hold_a()
-        _warm(arms["B"], timeout)
-        arms["B"]["pids"] = {"runner": bare.pid}
-        _signal_groups(arms["B"]["groups"], signal.SIGSTOP)
+        for arm in ("B", "C"):
+            _warm(arms[arm], timeout)
+            arms[arm]["pids"] = {"runner": bare[arm].pid}
+            _signal_groups(arms[arm]["groups"], signal.SIGSTOP)
         for arm in arms.values():  # the start-up lines are in; no more reading during the turns
             tailer.done(arm["dir"] / "output.log")
         if deadline is not None:
             # The turns fit in what is left of the time budget (a loaded machine gets fewer).
-            affordable = int((deadline - time.monotonic() - 15) / (2 * (window + 0.15)))
+            affordable = int((deadline - time.monotonic() - 15) / (len(arms) * (window + 0.15)))
             if affordable < pairs:
                 pairs = max(min_pairs, affordable)
                 log(f"overhead: {pairs} turns per arm, to keep to the time budget")
-        log(f"overhead: both arms warm; {2 * pairs} turns of {window:g} s, ABBA")
+        log(f"overhead: the three arms warm; {3 * pairs} turns of {window:g} s, rounds in every order of A, B, C")
 
-        order = [arm for k in range(pairs) for arm in (("A", "B") if k % 2 == 0 else ("B", "A"))]
+        order = [arm for k in range(pairs) for arm in ROUND_ORDERS[k % len(ROUND_ORDERS)]]
         for number, arm in enumerate(order, 1):
             group = arms[arm]
             load_from = os.getloadavg()[0]
@@ -767,7 +775,7 @@ def supervisor_overhead(
         # clean exit would only make the benchmark longer); metrics.jsonl has every step.
         for arm in arms.values():
             _signal_groups(arm["groups"], signal.SIGKILL)
-        for process in (daemon.process if daemon is not None else None, bare):
+        for process in (daemon.process if daemon is not None else None, *bare.values()):
             if process is not None:
                 processes.stop(process)
 
@@ -790,18 +798,25 @@ def supervisor_overhead(
         if first_line is not None and ready is not None:
             startup[arm] = {"interpreter": first_line - group["started"], "imports_and_build": ready - first_line,
                             "first_step": group["rows"][1]["time"] - ready}
-    a = [t for t in turns if t["arm"] == "A"]
-    b = [t for t in turns if t["arm"] == "B"]
+    a, b, c = ([t for t in turns if t["arm"] == arm] for arm in "ABC")
     if not all(t["step_s"] for t in turns):
         raise BenchError("overhead: a turn had no whole step (make --window longer)")
-    # Turns k of A and k of B are next to each other in time (ABBA): a pair.
-    pair_list = list(zip(a, b))
-    ratio = statistics.median([x for t in a for x in t["step_s"]]) / statistics.median([x for t in b for x in t["step_s"]])
-    low, high = _bootstrap_pairs(pair_list, "step_s")
-    compute_ratio = statistics.median([x for t in a for x in t["compute_s"]]) / statistics.median([x for t in b for x in t["compute_s"]])
-    compute_low, compute_high = _bootstrap_pairs(pair_list, "compute_s")
-    steps = {"A": sum(t["steps"] for t in a), "B": sum(t["steps"] for t in b)}
-    cpu_per_step = {arm: sum(t["cpu_s"]["runner"] for t in group) / steps[arm] for arm, group in (("A", a), ("B", b))}
+    # The turns of one round are next to each other in time: the unit the intervals resample.
+    rounds = list(zip(a, b, c))
+    overhead_blocks = [([x], [y, z]) for x, y, z in rounds]
+    control_blocks = [([z], [y]) for x, y, z in rounds]
+
+    def median_of(group: list[dict[str, Any]], key: str = "step_s") -> float:
+        return statistics.median([x for t in group for x in t[key]])
+
+    ratio = median_of(a) / median_of(b + c)
+    low, high = _bootstrap_ratio(overhead_blocks, "step_s")
+    compute_ratio = median_of(a, "compute_s") / median_of(b + c, "compute_s")
+    compute_low, compute_high = _bootstrap_ratio(overhead_blocks, "compute_s")
+    control = median_of(c) / median_of(b)
+    control_low, control_high = _bootstrap_ratio(control_blocks, "step_s")
+    steps = {arm: sum(t["steps"] for t in group) for arm, group in (("A", a), ("B", b), ("C", c))}
+    cpu_per_step = {arm: sum(t["cpu_s"]["runner"] for t in group) / steps[arm] for arm, group in (("A", a), ("B", b), ("C", c))}
     supervisor_cpu = sum(t["cpu_s"]["daemon"] + t["cpu_s"]["shim"] for t in a) / sum(t["cpu_s"]["runner"] for t in a)
     seconds_a = sum(t["to"] - t["from"] for t in a)
     result = {
@@ -810,25 +825,29 @@ def supervisor_overhead(
         "window_s": window,
         "turns": turns,
         "steps": steps,
-        "daemon_median_step_s": statistics.median([x for t in a for x in t["step_s"]]),
-        "bare_median_step_s": statistics.median([x for t in b for x in t["step_s"]]),
+        "daemon_median_step_s": median_of(a),
+        "bare_median_step_s": median_of(b + c),
+        "median_step_s": {"A": median_of(a), "B": median_of(b), "C": median_of(c)},
         "ratio": ratio,
         "ratio_ci95": [low, high],
-        "pair_ratios": [x["median_step_s"] / y["median_step_s"] for x, y in pair_list],
+        "round_ratios": [x["median_step_s"] / statistics.median([y["median_step_s"], z["median_step_s"]]) for x, y, z in rounds],
+        "control_ratio": control,
+        "control_ratio_ci95": [control_low, control_high],
         "compute_ratio": compute_ratio,
         "compute_ratio_ci95": [compute_low, compute_high],
         "runner_cpu_per_step_s": cpu_per_step,
-        "cpu_per_step_ratio": cpu_per_step["A"] / cpu_per_step["B"],
+        "cpu_per_step_ratio": cpu_per_step["A"] / ((cpu_per_step["B"] + cpu_per_step["C"]) / 2),
         "supervisor_cpu_fraction": supervisor_cpu,
         "daemon_cpu_percent": 100 * sum(t["cpu_s"]["daemon"] for t in a) / seconds_a,
         "shim_cpu_percent": 100 * sum(t["cpu_s"]["shim"] for t in a) / seconds_a,
         "runner_core_share": {arm: sum(t["cpu_s"]["runner"] for t in group) / sum(t["to"] - t["from"] for t in group)
-                              for arm, group in (("A", a), ("B", b))},
+                              for arm, group in (("A", a), ("B", b), ("C", c))},
         "target": TARGET_OVERHEAD,
         "startup": startup,
     }
     log(f"overhead: median step {ms(result['daemon_median_step_s'])} ms under the daemon, {ms(result['bare_median_step_s'])} ms bare: "
-        f"ratio {ratio:.3f} ({low:.3f} - {high:.3f}); runner CPU per step ratio {result['cpu_per_step_ratio']:.3f}; "
+        f"ratio {ratio:.3f} ({low:.3f} - {high:.3f}); control (two bare runs) {control:.3f} ({control_low:.3f} - {control_high:.3f}); "
+        f"runner CPU per step ratio {result['cpu_per_step_ratio']:.3f}; "
         f"supervisor CPU {100 * supervisor_cpu:.2f} % of the runner's")
     return result
 
@@ -844,17 +863,17 @@ def _signal_groups(groups: list[int], signum: int) -> None:
         _killpg(group, signum)
 
 
-def _bootstrap_pairs(pairs: list[tuple[dict[str, Any], dict[str, Any]]], key: str, rounds: int = 2000) -> tuple[float, float]:
-    """95 % interval of median(A) / median(B) over the steps of all turns, resampling the
-    pairs of turns (so the turn-to-turn swings of the shared machine count), then the steps
-    within each chosen turn; fixed seed."""
+def _bootstrap_ratio(blocks: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], key: str, rounds: int = 2000) -> tuple[float, float]:
+    """95 % interval of median(numerator turns) / median(denominator turns) over their steps,
+    resampling the blocks (the turns of one round: the round-to-round swings of the shared
+    machine count), then the steps within each chosen turn; fixed seed."""
     rng = random.Random(0)
     ratios = []
     for _ in range(rounds):
-        chosen = rng.choices(pairs, k=len(pairs))
-        a = [x for turn, _ in chosen for x in rng.choices(turn[key], k=len(turn[key]))]
-        b = [x for _, turn in chosen for x in rng.choices(turn[key], k=len(turn[key]))]
-        ratios.append(statistics.median(a) / statistics.median(b))
+        chosen = rng.choices(blocks, k=len(blocks))
+        top = [x for numerator, _ in chosen for turn in numerator for x in rng.choices(turn[key], k=len(turn[key]))]
+        bottom = [x for _, denominator in chosen for turn in denominator for x in rng.choices(turn[key], k=len(turn[key]))]
+        ratios.append(statistics.median(top) / statistics.median(bottom))
     ratios.sort()
     return ratios[int(0.025 * rounds)], ratios[int(0.975 * rounds) - 1]
 
@@ -950,15 +969,20 @@ def queue_scale(
         result["daemon_rss_bytes"] = rss_bytes(daemon.pid)
         log(f"queue: store {result['store_bytes_total'] / MiB:.1f} MiB (db + wal), daemon RSS {result['daemon_rss_bytes'] / MiB:.0f} MiB")
 
-        status = []
-        for r in range(status_repeats):
-            wall, code, out = cli(processes, ["--state-dir", str(state_dir), "status"], folder / "status.out", timeout)
-            rows = sum(1 for line in out.splitlines() if " queued " in line)
-            if code != 0 or rows < jobs:
-                raise BenchError(f"oomguard status exited {code} with {rows} queued rows (expected {jobs})")
-            status.append(wall)
-        result["status"] = spread(status)
-        log(f"queue: oomguard status with {jobs} queued jobs: median {result['status']['median']:.2f} s")
+        # `status` lists the head of the queue (STATUS_QUEUED_SHOWN jobs) with the counts of
+        # all; `status --all` lists every job.
+        from oomguard.daemon.cli import STATUS_QUEUED_SHOWN
+
+        for key, extra, expected in (("status", [], min(jobs, STATUS_QUEUED_SHOWN)), ("status_all", ["--all"], jobs)):
+            walls = []
+            for r in range(status_repeats):
+                wall, code, out = cli(processes, ["--state-dir", str(state_dir), "status", *extra], folder / f"{key}.out", timeout)
+                rows = sum(1 for line in out.splitlines() if re.search(r"│\s*queued\s*│", line))
+                if code != 0 or rows != expected or f"{jobs} queued" not in out:
+                    raise BenchError(f"oomguard status {' '.join(extra)} exited {code} with {rows} queued rows (expected {expected})")
+                walls.append(wall)
+            result[key] = spread(walls)
+            log(f"queue: oomguard status {' '.join(extra)} with {jobs} queued jobs: median {result[key]['median']:.2f} s")
 
         show = []
         result["show_jobs"] = sorted({1, jobs // 2, jobs}) if repeats > 1 else [jobs]
@@ -1010,7 +1034,10 @@ def overhead_verdict(ov: dict[str, Any], short: bool = False) -> str:
         return "met" if short else f"within the target of {TARGET_OVERHEAD}"
     if low > TARGET_OVERHEAD:
         return "missed" if short else f"MISSES the target of {TARGET_OVERHEAD}"
-    return "not resolved" if short else f"not resolved against the target of {TARGET_OVERHEAD} (the interval straddles it)"
+    # How far apart two identical bare runs landed: differences smaller than that are noise.
+    control = ov.get("control_ratio")
+    noise = f"; two identical bare runs differed by {abs(control - 1):.1%} in the same run" if control is not None else ""
+    return "not resolved" if short else f"not resolved against the target of {TARGET_OVERHEAD} (the interval straddles it{noise})"
 
 
 def summary_table(r: dict[str, Any]) -> str:
@@ -1028,10 +1055,12 @@ def summary_table(r: dict[str, Any]) -> str:
                             ("process_exit", "the failed process exiting"), ("torch_import", "the new process importing torch")):
             lines.append(f"| … of which {label}, s | {fmt(rs['parts'][name]['median'])} | {fmt(rs['parts'][name]['max'])} | {rs['total']['n']} | |")
     if ov:
-        lines.append(f"| supervisor overhead: median step under the daemon ÷ bare runner | {ov['ratio']:.3f} | "
-                     f"95 % CI {ov['ratio_ci95'][0]:.3f} – {ov['ratio_ci95'][1]:.3f} | {ov['steps']['A']} + {ov['steps']['B']} steps "
-                     f"in {len(ov['turns'])} turns | ≤ {TARGET_OVERHEAD}: {overhead_verdict(ov, short=True)} |")
-        lines.append(f"| … the runner's CPU time per step, under the daemon ÷ bare | {ov['cpu_per_step_ratio']:.3f} | | | |")
+        lines.append(f"| supervisor overhead: median step under the daemon ÷ two bare runners | {ov['ratio']:.3f} | "
+                     f"95 % CI {ov['ratio_ci95'][0]:.3f} – {ov['ratio_ci95'][1]:.3f} | {ov['steps']['A']} + {ov['steps']['B']} + "
+                     f"{ov['steps']['C']} steps in {len(ov['turns'])} turns | ≤ {TARGET_OVERHEAD}: {overhead_verdict(ov, short=True)} |")
+        lines.append(f"| … control: one bare runner ÷ the other (same process, same run) | {ov['control_ratio']:.3f} | "
+                     f"95 % CI {ov['control_ratio_ci95'][0]:.3f} – {ov['control_ratio_ci95'][1]:.3f} | | the measurement's own spread |")
+        lines.append(f"| … the runner's CPU time per step, under the daemon ÷ bare (mean of the two) | {ov['cpu_per_step_ratio']:.3f} | | | |")
         lines.append(f"| … supervisor CPU (daemon + shim) ÷ the runner's CPU while training, % | {100 * ov['supervisor_cpu_fraction']:.2f} | | | |")
     if q:
         n = q["jobs"]
@@ -1042,7 +1071,8 @@ def summary_table(r: dict[str, Any]) -> str:
             f"{q['inbox']['files']} files in {fmt(q['inbox']['queued_s'], '.1f')} s | 1 | |",
             f"| `oomguard submit` with {n} queued, jobs/s | {fmt(q['submit_cli_full']['jobs_per_s'], '.2f')} | "
             f"{fmt(q['submit_cli_full']['min'])} – {fmt(q['submit_cli_full']['max'])} s each | {q['submit_cli_full']['n']} | |",
-            f"| `oomguard status` with {n} queued, s | {fmt(q['status']['median'])} | {fmt(q['status']['max'])} | {q['status']['n']} | |",
+            f"| `oomguard status` with {n} queued (the next 20 listed), s | {fmt(q['status']['median'])} | {fmt(q['status']['max'])} | {q['status']['n']} | |",
+            f"| `oomguard status --all` with {n} queued (all listed), s | {fmt(q['status_all']['median'])} | {fmt(q['status_all']['max'])} | {q['status_all']['n']} | |",
             f"| `oomguard show JOB` with {n} queued, s | {fmt(q['show']['median'])} | {fmt(q['show']['max'])} | {q['show']['n']} | |",
             f"| store size with {n} jobs (oomguard.db + -wal), MiB | {q['store_bytes_total'] / MiB:.1f} | "
             f"{', '.join(f'{k} {v / MiB:.1f}' for k, v in q['store_bytes'].items())} | 1 | |",
@@ -1129,30 +1159,35 @@ def markdown(r: dict[str, Any]) -> str:
         ]
     ov = r.get("overhead")
     if ov:
-        a = [x for x in ov["turns"] if x["arm"] == "A"]
-        b = [x for x in ov["turns"] if x["arm"] == "B"]
+        a, b, c = ([x for x in ov["turns"] if x["arm"] == arm] for arm in "ABC")
         out += [
             "## Supervisor overhead",
             "",
-            "The same job (quickstart model at 16x16, batch 8, no memory cap, no periodic checkpoints; below) trains in two "
+            "The same job (quickstart model at 16x16, batch 8, no memory cap, no periodic checkpoints; below) trains in three "
             "arms at once, but only one arm runs at any moment: A, under a daemon (`oomguard daemon --stop-jobs`, `oomguard "
-            "submit`: daemon + shim + runner), and B, bare (the runner alone). The arm not running has all its processes "
-            f"stopped (SIGSTOP: daemon, shim and runner). They take turns of {ov['window_s']:g} s, {len(a)} each, in the order "
-            f"{ov['order']}, after {WARM_STEPS} warm steps each. A step's time is the wall time between consecutive metrics.jsonl "
+            "submit`: daemon + shim + runner), and B and C, bare (the runner alone, twice: C is the control). The arms not "
+            f"running have all their processes stopped (SIGSTOP: daemon, shim and runner). They take turns of {ov['window_s']:g} s, "
+            f"{len(a)} each, in rounds that go through the six orders of the three (here {ov['order'][:18]}...), after "
+            f"{WARM_STEPS} warm steps each. A step's time is the wall time between consecutive metrics.jsonl "
             "rows (everything the runner's loop does per step); only steps that began and ended within one turn count.",
             "",
             "| arm | turns | steps | median step ms | runner CPU ms per step | the runner's share of a core while its arm ran |",
             "|---|---|---|---|---|---|",
             f"| A: daemon + shim + runner | {len(a)} | {ov['steps']['A']} | {ms(ov['daemon_median_step_s'])} | "
             f"{1000 * ov['runner_cpu_per_step_s']['A']:.1f} | {100 * ov['runner_core_share']['A']:.0f} % |",
-            f"| B: the runner alone | {len(b)} | {ov['steps']['B']} | {ms(ov['bare_median_step_s'])} | "
+            f"| B: the runner alone | {len(b)} | {ov['steps']['B']} | {ms(ov['median_step_s']['B'])} | "
             f"{1000 * ov['runner_cpu_per_step_s']['B']:.1f} | {100 * ov['runner_core_share']['B']:.0f} % |",
+            f"| C: the runner alone, again (control) | {len(c)} | {ov['steps']['C']} | {ms(ov['median_step_s']['C'])} | "
+            f"{1000 * ov['runner_cpu_per_step_s']['C']:.1f} | {100 * ov['runner_core_share']['C']:.0f} % |",
             "",
-            f"Ratio A ÷ B of the median step: **{ov['ratio']:.3f}**, 95 % bootstrap interval {ov['ratio_ci95'][0]:.3f} – "
-            f"{ov['ratio_ci95'][1]:.3f} (pairs of turns resampled, then steps within them): {overhead_verdict(ov)}. "
-            f"Per pair of turns: {', '.join(f'{x:.3f}' for x in ov['pair_ratios'])}. The same ratio of the runner's own step "
-            f"timer (`one_step`, without the loop's reporting): {ov['compute_ratio']:.3f} ({ov['compute_ratio_ci95'][0]:.3f} – "
-            f"{ov['compute_ratio_ci95'][1]:.3f}). The runner's CPU time per step, A ÷ B: {ov['cpu_per_step_ratio']:.3f}.",
+            f"Ratio of the median step, A ÷ B and C together: **{ov['ratio']:.3f}**, 95 % bootstrap interval "
+            f"{ov['ratio_ci95'][0]:.3f} – {ov['ratio_ci95'][1]:.3f} (rounds resampled, then steps within their turns): "
+            f"{overhead_verdict(ov)}. Control, C ÷ B: {ov['control_ratio']:.3f} ({ov['control_ratio_ci95'][0]:.3f} – "
+            f"{ov['control_ratio_ci95'][1]:.3f}): two processes of the same runner on the same job differ this much here, "
+            f"so a smaller difference between A and the bare runs is not the supervisor's. Per round, A ÷ the median of B and "
+            f"C: {', '.join(f'{x:.3f}' for x in ov['round_ratios'])}. The same ratio of the runner's own step timer "
+            f"(`one_step`, without the loop's reporting): {ov['compute_ratio']:.3f} ({ov['compute_ratio_ci95'][0]:.3f} – "
+            f"{ov['compute_ratio_ci95'][1]:.3f}). The runner's CPU time per step, A ÷ the mean of B and C: {ov['cpu_per_step_ratio']:.3f}.",
             "",
             f"What the supervisor itself uses while the job trains (A turns): the daemon {ov['daemon_cpu_percent']:.2f} % of a core, "
             f"the shim {ov['shim_cpu_percent']:.2f} %; together {100 * ov['supervisor_cpu_fraction']:.2f} % of the runner's own CPU "
@@ -1172,15 +1207,15 @@ def markdown(r: dict[str, Any]) -> str:
                 "restart of a built-in job pays this, plus its checkpoint load, where the small script above pays its own)"
                 f"{overlapped}:",
                 "",
-                "| part | A s | B s |",
-                "|---|---|---|",
+                "| part | A s | B s | C s |",
+                "|---|---|---|---|",
             ]
             for part, label in (("interpreter", "process started (A: the attempt's `started_at`; B: just before it is started) → the "
                                  "runner's first line (Python and oomguard's imports, before torch)"),
                                 ("imports_and_build", "→ 'no checkpoint: starting at step 0' (torch, diffusers and the trainer "
                                  "imported, data and model built)"),
                                 ("first_step", "→ first optimizer step done (it also creates the optimizer state)")):
-                out.append(f"| {label} | {fmt(ov['startup'].get('A', {}).get(part))} | {fmt(ov['startup'].get('B', {}).get(part))} |")
+                out.append(f"| {label} | " + " | ".join(fmt(ov["startup"].get(arm, {}).get(part)) for arm in "ABC") + " |")
             out.append("")
     q = r.get("queue")
     if q:
@@ -1202,7 +1237,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"all marked waiting after {q['inbox']['all_waiting_s']:.1f} s; queued after "
             + ", ".join(f"{k}: {v:.1f} s" for k, v in q["inbox"]["queued_after_s"].items()) + " |",
             f"| `oomguard submit`, {n} queued | {fmt(q['submit_cli_full']['jobs_per_s'], '.2f')} jobs/s (median {fmt(q['submit_cli_full']['median'])} s each) |",
-            f"| `oomguard status`, {n} queued | median {fmt(q['status']['median'])} s, max {fmt(q['status']['max'])} s ({n_runs(q['status']['n'])}) |",
+            f"| `oomguard status`, {n} queued (the next 20 listed) | median {fmt(q['status']['median'])} s, max {fmt(q['status']['max'])} s ({n_runs(q['status']['n'])}) |",
+            f"| `oomguard status --all`, {n} queued | median {fmt(q['status_all']['median'])} s, max {fmt(q['status_all']['max'])} s ({n_runs(q['status_all']['n'])}) |",
             f"| `oomguard show JOB` (jobs {', '.join(map(str, q['show_jobs']))}) | median {fmt(q['show']['median'])} s, max {fmt(q['show']['max'])} s ({n_runs(q['show']['n'])}) |",
             f"| store | {', '.join(f'{k}: {v / MiB:.2f} MiB' for k, v in q['store_bytes'].items())}; {q['events']} events |",
             f"| daemon idle, empty queue | {q['idle_empty']['cpu_percent']:.1f} % of a core over {q['idle_empty']['seconds']:.0f} s |",

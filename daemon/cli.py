@@ -139,20 +139,48 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# What `status` lists without --all: every job that runs (or is about to), the head of the
+# queue, and the jobs that ended last. A queue of 10,000 jobs is then one screen (and a tenth
+# of a second) rather than 10,000 rows; the counts of all jobs come first.
+STATUS_QUEUED_SHOWN = 20
+STATUS_ENDED_SHOWN = 10
+
+
+def status_rows(jobs: list[dict[str, Any]], everything: bool) -> list[dict[str, Any]]:
+    """The jobs `status` lists, in id order: all of them, or the running and otherwise active
+    ones, the first STATUS_QUEUED_SHOWN of the queue (in the order they will run) and the
+    STATUS_ENDED_SHOWN that ended last."""
+    if everything:
+        return jobs
+    queued = sorted((j for j in jobs if j["state"] == "queued"), key=lambda j: (-(j["priority"] or 0), j["id"]))
+    ended = sorted((j for j in jobs if j["state"] in TERMINAL_STATES), key=lambda j: j["ended_at"] or 0)
+    active = [j for j in jobs if j["state"] != "queued" and j["state"] not in TERMINAL_STATES]
+    chosen = {j["id"] for j in (*active, *queued[:STATUS_QUEUED_SHOWN], *ended[-STATUS_ENDED_SHOWN:])}
+    return [j for j in jobs if j["id"] in chosen]
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    from collections import Counter
+
     from rich.console import Console
     from rich.table import Table
 
     from oomguard.strategies.outcome import format_bytes
 
     _, store = open_store(args.state_dir)
-    table = Table(title=f"oomguard jobs ({args.state_dir})")
+    jobs = store.jobs()
+    rows = status_rows(jobs, args.all)
+    newest = store.newest_attempts([job["id"] for job in rows])
+    counts = Counter(job["state"] for job in jobs)
+    summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"
+    table = Table(title=f"oomguard jobs ({args.state_dir}): {summary}")
     for column in ("job", "name", "user", "state", "GPUs", "plan", "step", "samples/s", "ETA", "peak / cap", "attempts", "note"):
         table.add_column(column, overflow="fold")
-    for job in store.jobs():
-        attempts = store.attempts(job["id"])
+    for job in rows:
+        attempt = newest.get(job["id"])
         running = job["state"] == "running"
-        heartbeat = latest_heartbeat(store, job["id"]) or {}
+        # Another user's heartbeat (in its owner's workdir) reads as None, like a missing one.
+        heartbeat = (read_json(Path(attempt["directory"]) / HEARTBEAT) if attempt else None) or {}
         spec = json.loads(job["spec"])
         plan = json.loads(job["plan"])
         max_steps = spec["train"]["max_steps"]
@@ -165,7 +193,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         memory = ""
         if heartbeat.get("peak_bytes") is not None and job["state"] not in TERMINAL_STATES:
             memory = f"{format_bytes(heartbeat['peak_bytes'])} / {format_bytes(heartbeat.get('capacity_bytes'))}"
-        gpus = attempts[-1]["gpus"] if running and attempts and attempts[-1]["gpus"] else ""
+        gpus = attempt["gpus"] if running and attempt and attempt["gpus"] else ""
         if job["state"] == "queued" and job["waiting"]:
             note = f"waiting: {job['waiting']}"
         elif job["cancel_requested"] and job["state"] not in TERMINAL_STATES:
@@ -174,7 +202,12 @@ def cmd_status(args: argparse.Namespace) -> int:
             note = (job["result"] or "").splitlines()[0] if job["result"] else ""
         table.add_row(
             str(job["id"]), job["name"], job["owner"], job["state"], gpus, _short_plan(plan), f"{step}/{max_steps}",
-            f"{speed:.1f}" if speed else "", eta, memory, str(len(attempts)), note,
+            f"{speed:.1f}" if speed else "", eta, memory, str(attempt["count"] if attempt else 0), note,
+        )
+    if len(rows) < len(jobs):
+        table.caption = (
+            f"{len(rows)} of {len(jobs)} jobs shown: those running, the next {STATUS_QUEUED_SHOWN} queued and the "
+            f"last {STATUS_ENDED_SHOWN} ended; `oomguard status --all` lists every job"
         )
     # Piped output is not cut to 80 columns: scripts and logs get whole rows.
     Console(width=None if sys.stdout.isatty() else 240).print(table)
@@ -625,7 +658,12 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the daemon to queue it (default 10)")
     submit.set_defaults(handler=cmd_submit)
 
-    commands.add_parser("status", help="a table of all jobs").set_defaults(handler=cmd_status)
+    status = commands.add_parser(
+        "status",
+        help=f"a table of the jobs: those running, the next {STATUS_QUEUED_SHOWN} queued and the last {STATUS_ENDED_SHOWN} ended (--all: every job)",
+    )
+    status.add_argument("--all", action="store_true", help="list every job, however many")
+    status.set_defaults(handler=cmd_status)
     commands.add_parser("gpus", help="the GPUs, what is on them, and which jobs").set_defaults(handler=cmd_gpus)
 
     report = commands.add_parser("report", help="a PNG of a job's memory over time per attempt, OOMs, rungs and samples/s")

@@ -16,6 +16,11 @@ attempt down at once (SIGTERM, SIGKILL after a grace period) instead of leaving 
 ranks to wait out a collective's timeout; and whatever is left when the command ends is
 ended too.
 
+Host memory: the command runs with a raised OOM score, so that the kernel's OOM killer ends a
+training process before the shim or the daemon, and the kernel's count of OOM kills before
+and after goes into ``exit.json`` (daemon/kernel_oom.py): a SIGKILL that count explains is a
+host OOM, not a crash of unknown cause.
+
 Signals: the daemon signals the whole process group (shim and command); the shim passes the
 signal on to the attempt's processes outside its group. The shim itself outlives
 SIGTERM/SIGINT/SIGHUP so that it can record the command's exit; it uses a handler rather than
@@ -33,7 +38,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from oomguard.daemon import processes
+from oomguard.daemon import kernel_oom, processes
 from oomguard.jobs.attempt import CONFIG, HEARTBEAT, LOG, METRICS, OUTCOME, write_json_atomic
 from oomguard.jobs.bootstrap import oomguard_ranks
 
@@ -81,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signum, note)
     environment = {**os.environ, processes.ATTEMPT_DIR_ENV: args[0]}
     with (attempt_dir / LOG).open("ab") as log:
+        oom_kills_before = kernel_oom.kills()
         try:
-            child = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment)
+            child = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment, preexec_fn=kernel_oom.prefer_me,
+            )
         except OSError as error:
             log.write(f"oomguard: cannot start {command[0]}: {error.strerror}\n".encode())
             write_json_atomic(attempt_dir / EXIT_STATUS, {"returncode": 127, "ended_at": time.time(), "error": str(error)})
@@ -90,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         status: dict[str, Any] = {}
         returncode = _wait(child, attempt_dir, ours, log, status)
         left_over = processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
+        oom_kills = kernel_oom.kills_between(oom_kills_before, kernel_oom.kills())
         if left_over:
             _say(log, f"ended {len(left_over)} process(es) of the attempt left running after the command exited")
     _collect_orphans()
@@ -104,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             "failed_process": marks[0] if marks else None,
             "torn_down_at": status.get("torn_down_at"),
             "left_over": len(left_over),
+            # The kernel's OOM kills while the attempt ran (machine-wide; None: not known).
+            "oom_kills": oom_kills,
         },
     )
     return 0

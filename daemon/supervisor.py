@@ -70,13 +70,17 @@ class _Running:
     started: int | None  # the shim's start time (processes.start_ticks)
 
 
-def outcome_without_report(attempt_dir: Path, returncode: int | None, failed_process: dict[str, Any] | None = None) -> Outcome:
+def outcome_without_report(
+    attempt_dir: Path, returncode: int | None, failed_process: dict[str, Any] | None = None, oom_kills: int | None = None,
+) -> Outcome:
     """How an attempt ended whose runner wrote no outcome.json (killed, died hard, or a user
     command that does not report): an OOM its output shows (a CUDA OOM it printed, the kernel's
     OOM killer), else what the exit status says. ``returncode`` is None when no daemon watched.
     ``failed_process`` is the first process that recorded its own death (exit.json): when it
     died of an OOM, that error is the cause, whatever the other ranks printed as they were
-    stopped after it."""
+    stopped after it. ``oom_kills`` is how many processes the kernel's OOM killer ended while
+    the attempt ran (exit.json, daemon/kernel_oom.py): a failed attempt during which it struck
+    ran out of host memory, even though a SIGKILL leaves no message."""
     if returncode is None:
         fallback = Outcome(kind="crashed", message="the attempt was killed with its shim (no exit status recorded), without reporting")
     else:
@@ -90,14 +94,20 @@ def outcome_without_report(attempt_dir: Path, returncode: int | None, failed_pro
     cause = failed_process.get("error") if failed_process else None
     if isinstance(cause, str) and read_oom(cause).kind != "not_oom":
         verdict = read_oom(cause)
-    elif not text:
-        return fallback
     # A script's own progress line says how far it got (its checkpoints are its own).
     step = last_step_count(text) or 0
     if verdict.is_device_oom:
         return Outcome(kind="oom", step=step, memory=verdict.memory_figures(), message=verdict.message, exit_code=fallback.exit_code)
+    if oom_kills and returncode not in (None, 0) and fallback.kind == "crashed":
+        return Outcome(
+            kind="host_oom", step=step, exit_code=fallback.exit_code, traceback_tail=verdict.message,
+            message=f"the kernel's OOM killer ended a process of the attempt: host memory (RAM) ran out ({oom_kills} OOM "
+            "kill(s) on this machine while it ran, /proc/vmstat oom_kill; `dmesg | grep -i oom` names the process)",
+        )
     if verdict.kind == "host_oom":
         return Outcome(kind="host_oom", step=step, message=verdict.reason, traceback_tail=verdict.message, exit_code=fallback.exit_code)
+    if not text:
+        return fallback
     return dataclasses.replace(fallback, step=step, traceback_tail=verdict.message)
 
 
@@ -638,7 +648,10 @@ class Supervisor:
             status = None
         returncode = status.get("returncode") if status and isinstance(status.get("returncode"), int) else None
         failed = status.get("failed_process") if status and isinstance(status.get("failed_process"), dict) else None
-        self._finish_attempt(attempt, returncode, shim_recorded=status is not None or running.process is not None, failed_process=failed)
+        oom_kills = status.get("oom_kills") if status and isinstance(status.get("oom_kills"), int) else None
+        self._finish_attempt(
+            attempt, returncode, shim_recorded=status is not None or running.process is not None, failed_process=failed, oom_kills=oom_kills,
+        )
 
     def _check_stalled(self, attempt: dict[str, Any]) -> None:
         heartbeat = _attempt_files(attempt) / HEARTBEAT
@@ -679,7 +692,12 @@ class Supervisor:
             pass
 
     def _finish_attempt(
-        self, attempt: dict[str, Any], returncode: int | None, shim_recorded: bool = True, failed_process: dict[str, Any] | None = None,
+        self,
+        attempt: dict[str, Any],
+        returncode: int | None,
+        shim_recorded: bool = True,
+        failed_process: dict[str, Any] | None = None,
+        oom_kills: int | None = None,
     ) -> None:
         job = self.store.job(attempt["job_id"])
         self._needs.pop(job["id"], None)  # its measurements change what it needs
@@ -695,7 +713,7 @@ class Supervisor:
             # machine restarted under it: not the job's fault, and no crash retry is used up.
             outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
         if outcome is None:
-            outcome = outcome_without_report(_attempt_files(attempt), returncode, failed_process)
+            outcome = outcome_without_report(_attempt_files(attempt), returncode, failed_process, oom_kills)
         if outcome.kind == "cancelled":
             outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
         # How the attempt ended and what the job does next are one change: a daemon that dies

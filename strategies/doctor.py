@@ -250,15 +250,18 @@ def _after_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
             break
         streak += 1
     retries_used = streak - 1
+    # Host memory running out is not the device's: no rung saves it, and it is usually another
+    # process's doing (or a passing peak), so it is retried after the same pause as a crash.
+    ended = "crashed" if outcome.kind == "crashed" else "ran out of host memory"
     if retries_used < policy.crash_retries:
         delay = min(CRASH_BACKOFF_SECONDS * 3**retries_used, CRASH_BACKOFF_MAX_SECONDS)
         return Retry(
-            reason=f"the attempt {outcome.kind} ({outcome.message.strip() or 'no message'}); "
+            reason=f"the attempt {ended} ({outcome.message.strip() or 'no message'}); "
             f"retry {retries_used + 1} of {policy.crash_retries} with the same plan in {delay:.0f} s",
             after_seconds=delay,
         )
     return GiveUp(
-        reason=f"the attempt {outcome.kind} {streak} times in a row with the same plan: {outcome.message.strip()}",
+        reason=f"the attempt {ended} {streak} times in a row with the same plan: {outcome.message.strip()}",
         report=report(history, policy),
     )
 

@@ -20,6 +20,7 @@ give both terms, and knobs scale them by factors measured on this project's trai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -99,8 +100,10 @@ class Measurement:
         return cls(**values)
 
 
+@functools.lru_cache(maxsize=8192)
 def shape_of(plan: Plan) -> Plan:
-    """The plan with micro-batch and allocator set aside: what the peak line depends on."""
+    """The plan with micro-batch and allocator set aside: what the peak line depends on.
+    (Kept for the plans seen last: the planner asks it for thousands of candidates.)"""
     return plan.replace(micro_batch=1, allocator="")
 
 
@@ -187,7 +190,13 @@ class MemoryModel:
 
     def __init__(self, measurements: Iterable[Measurement]) -> None:
         self.measurements = list(measurements)
+        # Each measurement's plan with the allocator set aside (fits() compares with it).
+        self._measured_as = [(m, m.plan.replace(allocator="")) for m in self.measurements]
         self._lines: dict[Plan, Line] = {}
+        # What line() and the speed lines work out for a shape, kept: the planner asks for
+        # every micro-batch of every shape, and the model does not change once built.
+        self._carried: dict[Plan, Line | None] = {}
+        self._speed_lines: dict[Plan, tuple[tuple[float, float], float] | None] = {}
         self._full_parameters: float | None = None
         for m in self.measurements:
             full = _full_parameter_bytes(shape_of(m.plan), m.static)
@@ -245,6 +254,11 @@ class MemoryModel:
         shape = shape_of(shape)
         if shape in self._lines:
             return self._lines[shape]
+        if shape not in self._carried:
+            self._carried[shape] = self._carried_line(shape)
+        return self._carried[shape]
+
+    def _carried_line(self, shape: Plan) -> Line | None:
         if not self._lines:
             return self._from_oom_only(shape)
         reference = min(self._lines, key=lambda other: _distance(other, shape))
@@ -282,11 +296,11 @@ class MemoryModel:
         prediction): the probe measures such a plan to find out, the doctor never takes one.
         """
         key = plan.replace(allocator="")
-        for m in self.measurements:
+        for m, measured in self._measured_as:
             # What ran out of memory at this capacity or more does not fit now either.
-            if not m.fits and m.plan.replace(allocator="") == key and (m.capacity is None or m.capacity >= capacity):
+            if not m.fits and measured == key and (m.capacity is None or m.capacity >= capacity):
                 return False
-        ran = [m.peak_bytes for m in self.measurements if m.fits and m.plan.replace(allocator="") == key]
+        ran = [m.peak_bytes for m, measured in self._measured_as if m.fits and measured == key]
         if ran:
             return max(ran) <= capacity * (1 - MARGIN_RAN)
         line = self.line(plan)
@@ -295,33 +309,33 @@ class MemoryModel:
         margin = MARGIN_RAN if optimistic else MARGIN_MEASURED if line.measured else MARGIN_PREDICTED
         return line.peak(plan.micro_batch) <= capacity * (1 - margin)
 
-    def largest_micro_batch(self, shape: Plan, capacity: int) -> int | None:
-        """The largest micro-batch of ``shape`` (with its batch size) that fits ``capacity``."""
-        for size in reversed(shape.micro_batch_choices()):
-            if self.fits(shape.replace(micro_batch=size), capacity):
-                return size
-        return None
-
     # -- speed --------------------------------------------------------------------------
 
     def expected_samples_per_s(self, plan: Plan) -> float | None:
         """From the step-time line of the plan's shape (so that one noisy timing cannot make
         more slices look faster than fewer), else from the closest timed shape's line and
         what the knobs cost."""
+        shape = shape_of(plan)
+        if shape not in self._speed_lines:
+            self._speed_lines[shape] = self._speed_line(shape)
+        if self._speed_lines[shape] is None:
+            return None
+        (per_micro, per_sample), scale = self._speed_lines[shape]
+        seconds = (plan.grad_accum * per_micro + plan.per_rank_batch * per_sample) * scale
+        return plan.per_rank_batch / seconds if seconds > 0 else None
+
+    def _speed_line(self, shape: Plan) -> tuple[tuple[float, float], float] | None:
+        """Seconds per micro-batch and per sample of ``shape``, and the factor to scale them by."""
         timed = [m for m in self.measurements if m.fits and m.samples_per_s]
         if not timed:
             return None
-        shape = shape_of(plan)
         line = self._time_line_of(shape, timed)
-        scale = 1.0
-        if line is None:
-            reference = min({shape_of(m.plan) for m in timed}, key=lambda other: _distance(other, plan))
-            line = self._time_line_of(reference, timed)
-            assert line is not None
-            scale = _time_factor(plan) / _time_factor(reference)
-        per_micro, per_sample = line
-        seconds = (plan.grad_accum * per_micro + plan.per_rank_batch * per_sample) * scale
-        return plan.per_rank_batch / seconds if seconds > 0 else None
+        if line is not None:
+            return line, 1.0
+        reference = min({shape_of(m.plan) for m in timed}, key=lambda other: _distance(other, shape))
+        line = self._time_line_of(reference, timed)
+        assert line is not None
+        return line, _time_factor(shape) / _time_factor(reference)
 
     def _time_line_of(self, shape: Plan, timed: list[Measurement]) -> tuple[float, float] | None:
         """Seconds per micro-batch and per sample of ``shape``. With one timed size, the

@@ -7,6 +7,7 @@ those the memory model says fit the device with a margin.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -76,8 +77,12 @@ def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) 
     return sorted(plans, key=_order)
 
 
-def _order(plan: Plan) -> tuple[object, ...]:
-    return tuple(str(v) for v in plan.to_dict().values())
+_PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
+
+
+def _order(plan: Plan) -> tuple[str, ...]:
+    """A fixed order of candidates (ties in the ranking go to the first)."""
+    return tuple(str(getattr(plan, name)) for name in _PLAN_FIELDS)
 
 
 def faithfulness(start: Plan, plan: Plan) -> int:

@@ -58,10 +58,10 @@ def test_the_quick_speed_benchmark_writes_both_files_with_every_section_and_clea
     assert recovered["from_plan"] != recovered["to_plan"] and recovered["total_s"] > 0
     restarted = data["restart"]["runs"][0]
     assert restarted["from_plan"] != restarted["to_plan"] and restarted["oom_to_next_step_s"] > 0
-    assert data["overhead"]["steps"]["A"] > 0 and data["overhead"]["steps"]["B"] > 0 and data["overhead"]["ratio"] > 0
+    assert all(data["overhead"]["steps"][arm] > 0 for arm in "ABC") and data["overhead"]["ratio"] > 0 and data["overhead"]["control_ratio"] > 0
     queue = data["queue"]
     assert queue["jobs"] == 100 and queue["inbox"]["jobs_per_s"] > 0 and queue["store_bytes_total"] > 0
-    assert queue["status"]["n"] >= 1 and queue["show"]["n"] >= 1
+    assert queue["status"]["n"] >= 1 and queue["status_all"]["n"] >= 1 and queue["show"]["n"] >= 1
 
     # Every daemon, shim, runner and neighbour it started is gone, and so is its scratch folder.
     assert data["stray_processes_killed"] == 0

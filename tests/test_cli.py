@@ -86,3 +86,18 @@ def test_report_of_a_job_that_has_not_started(tmp_path: Path) -> None:
     store.close()
     result = oomguard("report", "1", "-o", str(tmp_path / "r.png"), state_dir=tmp_path / "state")
     assert result.returncode == 1 and "has no attempts yet" in result.stderr and not (tmp_path / "r.png").exists()
+
+
+def test_status_lists_the_running_the_head_of_the_queue_and_the_last_ended() -> None:
+    from oomguard.daemon.cli import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN, status_rows
+
+    jobs = [{"id": i, "state": "queued", "priority": 0, "ended_at": None} for i in range(1, 101)]
+    jobs[49]["priority"] = 5  # job 50 runs before the others
+    jobs[3]["state"] = "running"
+    for i, job in enumerate(jobs[60:90]):
+        job.update(state="finished" if i % 2 else "failed", ended_at=1000.0 - i)  # job 61 ended last
+    shown = [job["id"] for job in status_rows(jobs, everything=False)]
+    queued = [1, 2, 3, *range(5, 50), 50, *range(51, 61), *range(91, 101)]
+    expected = {4, 50, *[j for j in queued if j != 50][: STATUS_QUEUED_SHOWN - 1], *range(61, 61 + STATUS_ENDED_SHOWN)}
+    assert shown == sorted(expected)
+    assert [job["id"] for job in status_rows(jobs, everything=True)] == list(range(1, 101))

@@ -311,3 +311,18 @@ def test_an_unreported_end_without_output_keeps_the_exit_status(tmp_path: Path) 
     (tmp_path / "output.log").write_text("attempt 1 of job tiny: plan mb=8x1\n")
     assert outcome_without_report(tmp_path, 3).kind == "oom"  # the runner's own exit code for an OOM
     assert outcome_without_report(tmp_path, None).kind == "crashed"
+
+
+def test_a_failed_attempt_during_which_the_kernel_killed_for_memory_ran_out_of_host_memory(tmp_path: Path) -> None:
+    killed = outcome_without_report(tmp_path, -9, oom_kills=1)
+    assert killed.kind == "host_oom" and "OOM killer" in killed.message and killed.exit_code == -9
+    (tmp_path / "output.log").write_text("attempt 2 of job tiny: plan mb=8x1 offload=optimizer\n")
+    assert outcome_without_report(tmp_path, 1, oom_kills=2).kind == "host_oom"  # a launcher whose rank was killed
+    assert outcome_without_report(tmp_path, -9, oom_kills=0).kind == "crashed"  # someone else's SIGKILL
+    assert outcome_without_report(tmp_path, -9, oom_kills=None).kind == "crashed"  # the kernel does not say
+    assert outcome_without_report(tmp_path, 0, oom_kills=1).kind != "host_oom"  # it did not fail
+    assert outcome_without_report(tmp_path, 3, oom_kills=1).kind == "oom"  # the runner's own exit code names it
+    # A device OOM the output shows stays a device OOM, whatever else the kernel did meanwhile.
+    cuda = load(MESSAGES / "cuda_new_format.txt")[1]
+    (tmp_path / "output.log").write_text(cuda)
+    assert outcome_without_report(tmp_path, 1, oom_kills=1).kind == "oom"

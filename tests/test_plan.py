@@ -202,5 +202,9 @@ def test_even_slices_only_take_micro_batches_that_divide_each_ranks_batch():
     assert plan.micro_batch_choices() == [1, 2, 3, 4, 6, 12]
     with pytest.raises(ValueError, match="must divide the per-rank batch 12"):
         plan.replace(micro_batch=5)
-    # A trainer that weighs slices takes any size.
-    assert Plan.initial(24, world_size=2).micro_batch_choices() == list(range(1, 13))
+    # A trainer that weighs slices takes any size, but only the smallest one for each number of
+    # slices is worth trying (12 in slices of 5 is three slices, like 4, with a higher peak).
+    assert Plan.initial(24, world_size=2).micro_batch_choices() == [1, 2, 3, 4, 6, 12]
+    assert Plan.initial(16).micro_batch_choices() == [1, 2, 3, 4, 6, 8, 16]
+    assert Plan.initial(100).micro_batch_choices()[-5:] == [20, 25, 34, 50, 100]
+    assert len(Plan.initial(4096).micro_batch_choices()) == 127  # about 2 * sqrt(4096), not 4096

@@ -11,8 +11,11 @@ import sys
 import time
 from pathlib import Path
 
-from oomguard.daemon import processes
+import pytest
+
+from oomguard.daemon import kernel_oom, processes
 from oomguard.daemon.shim import EXIT_STATUS
+from oomguard.daemon.supervisor import outcome_without_report
 from oomguard.jobs.command import BOOTSTRAP_DIR
 
 
@@ -178,3 +181,57 @@ def test_sigterm_to_the_shims_group_reaches_ranks_in_sessions_of_their_own(tmp_p
     status = json.loads((attempt / EXIT_STATUS).read_text())
     assert status["signals"] == ["SIGTERM"] and status["left_over"] == 0
     assert processes.marked_with(str(attempt)) == set()
+
+
+def test_the_training_command_is_the_kernels_first_choice_under_host_memory_pressure(tmp_path: Path):
+    attempt = tmp_path / "score"
+    shim = start_shim(attempt, sys.executable, "-c", "print('score', open('/proc/self/oom_score_adj').read().strip())")
+    assert shim.wait(timeout=30) == 0
+    assert f"score {kernel_oom.TRAINING_OOM_SCORE_ADJ}" in (attempt / "output.log").read_text()
+    assert Path(f"/proc/{os.getpid()}/oom_score_adj").read_text().strip() != str(kernel_oom.TRAINING_OOM_SCORE_ADJ)
+    status = json.loads((attempt / EXIT_STATUS).read_text())
+    assert isinstance(status["oom_kills"], int)  # the kernel's count was read before and after
+
+
+def test_the_kernel_oom_count_is_read_from_vmstat(tmp_path: Path):
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 1000\noom_kill 7\nnr_foo 3\n")
+    assert kernel_oom.kills(vmstat) == 7
+    vmstat.write_text("nr_free_pages 1000\n")  # a kernel older than 4.13
+    assert kernel_oom.kills(vmstat) is None
+    assert kernel_oom.kills(tmp_path / "missing") is None
+    assert kernel_oom.kills_between(7, 9) == 2 and kernel_oom.kills_between(None, 9) is None
+
+
+def _memory_cgroup_or_skip(name: str):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from host_pressure import MemoryCgroup
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a memory cgroup")
+    try:
+        return MemoryCgroup.create(name)
+    except OSError as error:
+        pytest.skip(f"no memory cgroup here: {error}")
+
+
+def test_a_command_the_kernels_oom_killer_ends_is_recorded_as_host_oom(tmp_path: Path):
+    # A real OOM kill: the shim and its command in a memory cgroup of 160 MiB, the command
+    # allocating 400 MiB. The kernel ends the command (its raised score), not the shim.
+    cgroup = _memory_cgroup_or_skip(f"oomguard-test-{os.getpid()}")
+    try:
+        cgroup.set_limit(160 << 20)
+        attempt = tmp_path / "host"
+        grow = "import time\nheld = []\nfor _ in range(100):\n    held.append(b'1' * (4 << 20)); time.sleep(0.005)\nprint('not killed')"
+        shim = subprocess.Popen(
+            [sys.executable, "-m", "oomguard.daemon.shim", str(attempt), "--", sys.executable, "-c", grow],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True, preexec_fn=lambda: cgroup.add(os.getpid()),
+        )
+        assert shim.wait(timeout=60) == 0
+    finally:
+        cgroup.remove()
+    status = json.loads((attempt / EXIT_STATUS).read_text())
+    assert status["returncode"] == -signal.SIGKILL and status["oom_kills"] >= 1, status
+    assert "not killed" not in (attempt / "output.log").read_text()
+    outcome = outcome_without_report(attempt, status["returncode"], status["failed_process"], status["oom_kills"])
+    assert outcome.kind == "host_oom" and "the kernel's OOM killer ended a process of the attempt" in outcome.message

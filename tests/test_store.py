@@ -70,3 +70,14 @@ def test_a_newer_schema_is_refused_with_advice(tmp_path: Path) -> None:
     connection.close()
     with pytest.raises(RuntimeError, match="upgrade oomguard"):
         Store(tmp_path / "db")
+
+
+def test_each_jobs_newest_attempt_and_count_in_one_query_per_500_jobs(fresh_store: Store) -> None:
+    ids = [add(fresh_store, f"j{i}") for i in range(1203)]
+    for job_id in ids[:1202:2]:  # every other job, including across the 500-job chunks
+        for number in (1, 2, 3):
+            fresh_store.add_attempt(job_id=job_id, number=number, plan="{}", directory=f"/w/{job_id}/{number}", started_at=1.0, pid=None)
+    newest = fresh_store.newest_attempts(ids)
+    assert sorted(newest) == ids[:1202:2]
+    assert all(row["count"] == 3 and row["number"] == 3 and row["directory"] == f"/w/{job_id}/3" for job_id, row in newest.items())
+    assert fresh_store.newest_attempts([]) == {}

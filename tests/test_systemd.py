@@ -35,8 +35,9 @@ def test_unit_files_verify(tmp_path, name):
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr.strip() == "", result.stderr
     text = unit.read_text()
-    # What the daemon relies on: notify with a watchdog, restarts, attempts left running.
-    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "KillMode=process"):
+    # What the daemon relies on: notify with a watchdog, restarts, attempts left running, a
+    # training process killed for host memory not taking the service down.
+    for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "KillMode=process", "OOMPolicy=continue"):
         assert line in text
 
 

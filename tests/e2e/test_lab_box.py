@@ -78,7 +78,7 @@ def test_three_jobs_two_users_two_gpus_oom_neighbour_and_a_killed_daemon(lab: Pa
     state = lab / "state"
     tiny = lambda name, steps: TINY_JOB.format(name=name, batch_size=8, max_steps=steps, checkpoint_every_steps=10, keep_checkpoints=2)  # noqa: E731
     job_a = write_job(lab / "alice", alice, "alice-a", tiny("alice-a", 150))
-    job_b = write_job(lab / "bob", bob, "bob-b", big_batch_job("bob-b", 40))
+    job_b = write_job(lab / "bob", bob, "bob-b", big_batch_job("bob-b", 24))
     job_c = write_job(lab / "alice", alice, "alice-c", tiny("alice-c", 30))
 
     daemon = Daemon(state, "--emulate-gpus", GPUS, "--gpu-sample-seconds", "0.5").start()
