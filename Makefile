@@ -48,8 +48,10 @@ bench: install
 	$(BIN)/python bench/speed.py --update-readme
 
 # Fault injection (bench/faults.py): 20 jobs per fault under a real daemon while runners and the
-# daemon are SIGKILLed, checkpoints damaged and the disk filled (the last as root only).
-# About 17 minutes on 2 cores; results in bench/results/faults.md and faults.json.
+# daemon are SIGKILLed, checkpoints damaged, the disk filled and host memory squeezed under
+# offloading runners (the last two as root only: a tmpfs, a memory cgroup), and a NaN injected
+# after the precision rung. About 15 minutes on 2 cores; results in bench/results/faults.md
+# and faults.json.
 faults: install
 	$(BIN)/python bench/faults.py --update-readme
 

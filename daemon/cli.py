@@ -146,16 +146,15 @@ STATUS_QUEUED_SHOWN = 20
 STATUS_ENDED_SHOWN = 10
 
 
-def status_rows(jobs: list[dict[str, Any]], everything: bool) -> list[dict[str, Any]]:
+def status_rows(jobs: list[dict[str, Any]], queue: list[dict[str, Any]], everything: bool) -> list[dict[str, Any]]:
     """The jobs `status` lists, in id order: all of them, or the running and otherwise active
-    ones, the first STATUS_QUEUED_SHOWN of the queue (in the order they will run) and the
-    STATUS_ENDED_SHOWN that ended last."""
+    ones, the first STATUS_QUEUED_SHOWN of ``queue`` (the queued jobs in the order they will
+    run, Store.queued_jobs) and the STATUS_ENDED_SHOWN that ended last."""
     if everything:
         return jobs
-    queued = sorted((j for j in jobs if j["state"] == "queued"), key=lambda j: (-(j["priority"] or 0), j["id"]))
     ended = sorted((j for j in jobs if j["state"] in TERMINAL_STATES), key=lambda j: j["ended_at"] or 0)
     active = [j for j in jobs if j["state"] != "queued" and j["state"] not in TERMINAL_STATES]
-    chosen = {j["id"] for j in (*active, *queued[:STATUS_QUEUED_SHOWN], *ended[-STATUS_ENDED_SHOWN:])}
+    chosen = {j["id"] for j in (*active, *queue[:STATUS_QUEUED_SHOWN], *ended[-STATUS_ENDED_SHOWN:])}
     return [j for j in jobs if j["id"] in chosen]
 
 
@@ -169,7 +168,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     _, store = open_store(args.state_dir)
     jobs = store.jobs()
-    rows = status_rows(jobs, args.all)
+    rows = status_rows(jobs, store.queued_jobs(), args.all)
     newest = store.newest_attempts([job["id"] for job in rows])
     counts = Counter(job["state"] for job in jobs)
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"

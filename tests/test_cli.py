@@ -96,8 +96,9 @@ def test_status_lists_the_running_the_head_of_the_queue_and_the_last_ended() -> 
     jobs[3]["state"] = "running"
     for i, job in enumerate(jobs[60:90]):
         job.update(state="finished" if i % 2 else "failed", ended_at=1000.0 - i)  # job 61 ended last
-    shown = [job["id"] for job in status_rows(jobs, everything=False)]
-    queued = [1, 2, 3, *range(5, 50), 50, *range(51, 61), *range(91, 101)]
-    expected = {4, 50, *[j for j in queued if j != 50][: STATUS_QUEUED_SHOWN - 1], *range(61, 61 + STATUS_ENDED_SHOWN)}
+    queue = sorted((j for j in jobs if j["state"] == "queued"), key=lambda j: (-j["priority"], j["id"]))  # as the store orders it
+    shown = [job["id"] for job in status_rows(jobs, queue, everything=False)]
+    queued = [1, 2, 3, *range(5, 50), *range(51, 61), *range(91, 101)]
+    expected = {4, 50, *queued[: STATUS_QUEUED_SHOWN - 1], *range(61, 61 + STATUS_ENDED_SHOWN)}
     assert shown == sorted(expected)
-    assert [job["id"] for job in status_rows(jobs, everything=True)] == list(range(1, 101))
+    assert [job["id"] for job in status_rows(jobs, queue, everything=True)] == list(range(1, 101))
