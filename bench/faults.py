@@ -255,13 +255,23 @@ def steps_done(attempt_dir: Path) -> int:
         return 0
 
 
+def live_processes(attempt: Path | None) -> set[int]:
+    """The processes of an attempt that has not ended (found by the attempt's mark in their
+    environment); none once its shim has recorded how it ended."""
+    from oomguard.daemon import processes
+
+    if attempt is None or (attempt / "exit.json").exists():
+        return set()
+    return processes.marked_with(str(attempt))
+
+
 def kill_runner(run: Run, seed: int, reason: str, during_checkpoint: bool = False) -> Path | None:
-    """SIGKILL the runner of the job's newest attempt (found by the attempt's mark in its
-    environment); the attempt directory, or None when no runner was there to kill."""
+    """SIGKILL the runner of the job's newest attempt; the attempt directory, or None when no
+    runner was there to kill."""
     from oomguard.daemon import processes
 
     attempt = run.newest_attempt(seed)
-    pids = processes.marked_with(str(attempt)) if attempt is not None and not (attempt / "exit.json").exists() else set()
+    pids = live_processes(attempt)
     if not pids:
         return None
     processes.send(pids, signal.SIGKILL)
@@ -493,7 +503,7 @@ def inject_host_memory(run: Run) -> None:
             if attempt is None:
                 return
             with one_at_a_time:
-                if (attempt / "exit.json").exists() or not processes_of(attempt) or steps_done(attempt) > MAX_STEPS - CHECKPOINT_EVERY:
+                if not live_processes(attempt) or steps_done(attempt) > MAX_STEPS - CHECKPOINT_EVERY:
                     continue  # it ended (or nearly) while another squeeze went on: wait for its next attempt
                 episode = squeeze(cgroup)
             run.record(
@@ -504,12 +514,6 @@ def inject_host_memory(run: Run) -> None:
             return
 
     per_job(run, one_job)
-
-
-def processes_of(attempt_dir: Path) -> set[int]:
-    from oomguard.daemon import processes
-
-    return processes.marked_with(str(attempt_dir))
 
 
 INJECTORS: dict[str, Callable[[Run], None]] = {

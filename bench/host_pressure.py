@@ -116,7 +116,6 @@ class Squeeze:
     usage_before: int
     limit: int
     kills: int
-    seconds: float
 
 
 def squeeze(cgroup: MemoryCgroup, margin: int = 48 * MiB, hold: float = 1.0, grace: float = 2.0) -> Squeeze:
@@ -124,7 +123,6 @@ def squeeze(cgroup: MemoryCgroup, margin: int = 48 * MiB, hold: float = 1.0, gra
     that allocates twice the margin in it; wait for the kernel's OOM kill (at most ``grace``
     seconds after the hog holds all it asked for), hold the pressure for ``hold`` seconds,
     then lift the limit and end the hog."""
-    began = time.monotonic()
     kills_before = cgroup.oom_kills()
     usage = cgroup.usage()
     limit = usage - cgroup.file_cache() + margin
@@ -154,4 +152,4 @@ def squeeze(cgroup: MemoryCgroup, margin: int = 48 * MiB, hold: float = 1.0, gra
         cgroup.set_limit(None)
         hog.kill()
         hog.wait()
-    return Squeeze(usage_before=usage, limit=limit, kills=cgroup.oom_kills() - kills_before, seconds=time.monotonic() - began)
+    return Squeeze(usage_before=usage, limit=limit, kills=cgroup.oom_kills() - kills_before)

@@ -482,18 +482,8 @@ def in_process_recovery(processes: Processes, tailer: Tailer, scratch: Path, rep
         workdir = folder / f"run-{rep}"
         attempt_dir = workdir / "attempts" / "001"
         tailer.watch(attempt_dir / "output.log")
-        command = [OOMGUARD, "run", str(job_file), "--workdir", str(workdir), "--emulate-device-memory", IN_PROCESS_CAP, "--json"]
-        out = folder / f"run-{rep}.out"
-        started = time.time()
-        with out.open("wb") as handle:
-            process = processes.popen(command, stdout=handle)
-            try:
-                code = process.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                processes.stop(process)
-                raise BenchError(f"in-process run {rep} took more than {timeout:.0f} s") from None
-        wall = time.time() - started
-        text = out.read_text(errors="replace")
+        arguments = ["run", str(job_file), "--workdir", str(workdir), "--emulate-device-memory", IN_PROCESS_CAP, "--json"]
+        wall, code, text = cli(processes, arguments, folder / f"run-{rep}.out", timeout)
         try:
             record = json.loads(text[re.search(r"^\{", text, re.M).start():])
         except (ValueError, AttributeError):

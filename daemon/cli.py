@@ -92,10 +92,14 @@ def find_job(store: Store, key: str) -> dict[str, Any]:
 
 
 def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:
-    """The newest attempt's heartbeat; None also when it is another user's to read (a job's
-    workdir belongs to its owner): read_json says None for every file it cannot read."""
     attempts = store.attempts(job_id)
-    return read_json(Path(attempts[-1]["directory"]) / HEARTBEAT) if attempts else None
+    return heartbeat_of(attempts[-1] if attempts else None)
+
+
+def heartbeat_of(attempt: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An attempt's heartbeat; None also when it is another user's to read (a job's workdir
+    belongs to its owner): read_json says None for every file it cannot read."""
+    return read_json(Path(attempt["directory"]) / HEARTBEAT) if attempt else None
 
 
 def job_record(store: Store, job: dict[str, Any]) -> dict[str, Any]:
@@ -140,8 +144,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 # What `status` lists without --all: every job that runs (or is about to), the head of the
-# queue, and the jobs that ended last. A queue of 10,000 jobs is then one screen (and a tenth
-# of a second) rather than 10,000 rows; the counts of all jobs come first.
+# queue, and the jobs that ended last. A queue of 10,000 jobs is then one screen (under a
+# second) rather than 10,000 rows (18 s); the counts of all jobs come first.
 STATUS_QUEUED_SHOWN = 20
 STATUS_ENDED_SHOWN = 10
 
@@ -178,8 +182,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for job in rows:
         attempt = newest.get(job["id"])
         running = job["state"] == "running"
-        # Another user's heartbeat (in its owner's workdir) reads as None, like a missing one.
-        heartbeat = (read_json(Path(attempt["directory"]) / HEARTBEAT) if attempt else None) or {}
+        heartbeat = heartbeat_of(attempt) or {}
         spec = json.loads(job["spec"])
         plan = json.loads(job["plan"])
         max_steps = spec["train"]["max_steps"]

@@ -413,16 +413,13 @@ class Supervisor:
             spec = self._specs[job["id"]] = JobSpec.from_dict(json.loads(job["spec"]))
         return spec
 
-    def _try_to_start(
-        self, job: dict[str, Any], gpus: list[Any] | None, holders: dict[int, list[Holder]], answers: dict[Need, Any] | None = None,
-    ) -> bool:
+    def _try_to_start(self, job: dict[str, Any], gpus: list[Any] | None, holders: dict[int, list[Holder]], answers: dict[Need, Any]) -> bool:
         """Start the job's next attempt where it fits; False (and why, in the job) when it waits.
         A job that can never fit (more GPUs than the box has) waits like any other, saying so,
         and is reported stalled after --stall-after: a card may only be lost for a while."""
         placed: tuple[int, ...] | None = None
         if gpus is not None:
             need = self._need(job, self._spec(job))
-            answers = {} if answers is None else answers
             if need not in answers:
                 answers[need] = place(need, gpus, holders)
             where = answers[need]
@@ -494,7 +491,7 @@ class Supervisor:
         return holders
 
     def _start_attempt(self, job: dict[str, Any], gpus: tuple[int, ...] | None) -> None:
-        spec = JobSpec.from_dict(json.loads(job["spec"]))
+        spec = self._spec(job)
         plan = Plan.from_dict(json.loads(job["plan"]))
         number = len(self.store.attempts(job["id"])) + 1
         workdir = Path(job["workdir"])
@@ -736,7 +733,7 @@ class Supervisor:
             self._next_step(job, outcome)
 
     def _next_step(self, job: dict[str, Any], outcome: Outcome) -> None:
-        spec = JobSpec.from_dict(json.loads(job["spec"]))
+        spec = self._spec(job)
         if outcome.kind == "finished":
             if spec.command is not None:
                 steps = f" after step {outcome.step}" if outcome.step else ""
@@ -777,7 +774,7 @@ class Supervisor:
             waiting = None
             if decision.after_seconds > 0:
                 self._not_before[job["id"]] = time.monotonic() + decision.after_seconds
-                waiting = f"retrying after a crash, in {decision.after_seconds:.0f} s"
+                waiting = f"retrying {decision.after_seconds:.0f} s after the attempt ended ({outcome.kind})"
             self.store.update_job(job["id"], state="queued", next_rung=None, next_reason=decision.reason, waiting=waiting)
             self.event(job, "retry", decision.reason)
         elif isinstance(decision, GiveUp):

@@ -205,14 +205,12 @@ def test_the_kernel_oom_count_is_read_from_vmstat(tmp_path: Path):
 
 def _memory_cgroup_or_skip(name: str):
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    from host_pressure import MemoryCgroup
+    import host_pressure
 
-    if os.geteuid() != 0:
-        pytest.skip("needs root to make a memory cgroup")
-    try:
-        return MemoryCgroup.create(name)
-    except OSError as error:
-        pytest.skip(f"no memory cgroup here: {error}")
+    why = host_pressure.unavailable()
+    if why:
+        pytest.skip(why)
+    return host_pressure.MemoryCgroup.create(name)
 
 
 def test_a_command_the_kernels_oom_killer_ends_is_recorded_as_host_oom(tmp_path: Path):
