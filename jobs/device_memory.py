@@ -23,6 +23,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
@@ -130,6 +131,28 @@ class _CapacityMode(TorchDispatchMode):
         return out
 
 
+class _MovesMode(TorchFunctionMode):
+    """Counts tensors that a script sends to its device with ``.to(device)`` (``Module.to``,
+    ``accelerator.prepare``). Without a GPU the script's device is the CPU, so the call copies
+    nothing and no op allocates: weights loaded from a file (safetensors maps them from disk,
+    ``torch.load`` builds storages outside any op) would stay uncounted, and a pretrained model
+    would fit anywhere. On a GPU that same call copies the weights into device memory.
+    ``.cpu()`` is not counted: scripts call it to bring results back to the host."""
+
+    def __init__(self, device: EmulatedDevice) -> None:
+        super().__init__()
+        self._device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.to and not self._device._paused and isinstance(out, torch.Tensor):
+            target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            if target is not None and out.device.type == "cpu":
+                self._device.move_in((out,))
+        return out
+
+
 class EmulatedDevice:
     """Counts the live bytes of tensor storages made under it and enforces ``capacity``.
 
@@ -147,6 +170,10 @@ class EmulatedDevice:
     below the live bytes makes the next allocating op fail, like another process taking
     memory would. ``groups`` names consumers for the OOM breakdown, e.g.
     ``lambda: {"params": model.parameters(), "grads": [p.grad for p in ...]}``.
+
+    ``count_moves`` also counts every tensor sent to the device with ``.to(device)`` (see
+    :class:`_MovesMode`): for scripts that know nothing of this class. The built-in runner
+    says what it moves itself (:meth:`move_in`), since it keeps offloaded state on the host.
     """
 
     def __init__(
@@ -154,10 +181,12 @@ class EmulatedDevice:
         capacity: int | None,
         device_index: int = 0,
         groups: GroupsFn | None = None,
+        count_moves: bool = False,
     ) -> None:
         self.capacity = capacity
         self.device_index = device_index
         self.groups = groups
+        self.count_moves = count_moves
         self.last_oom: OOMInfo | None = None
         # id(storage) -> (weak reference to the storage, bytes counted for it). PyTorch
         # keeps one Python object per live storage (all tensors viewing it return the
@@ -169,6 +198,7 @@ class EmulatedDevice:
         self._oom_count = 0
         self._paused = 0
         self._mode: _CapacityMode | None = None
+        self._moves: _MovesMode | None = None
 
     # -- public API -----------------------------------------------------------------
 
@@ -246,9 +276,15 @@ class EmulatedDevice:
             raise RuntimeError("this EmulatedDevice is already active")
         self._mode = _CapacityMode(self)
         self._mode.__enter__()
+        if self.count_moves:
+            self._moves = _MovesMode(self)
+            self._moves.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        moves, self._moves = self._moves, None
+        if moves is not None:
+            moves.__exit__(*exc_info)
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(*exc_info)

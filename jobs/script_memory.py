@@ -18,10 +18,14 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-from typing import Any
+import threading
+from typing import Any, NoReturn
 
 from oomguard.jobs.emulated_gpus import AssignedGpu, emulated_capacity
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
+
+# The exit status of a process whose emulated capacity could not be applied (EX_SOFTWARE).
+EXIT_NOT_APPLIED = 70
 
 # Kept for the life of the process: the mode stays entered until the interpreter exits.
 _DEVICE: list[Any] = []
@@ -42,7 +46,7 @@ def enter_emulated_device(capacity: int) -> None:
     from oomguard.jobs.device_memory import EmulatedDevice
 
     gpu = AssignedGpu.from_environment()
-    device = EmulatedDevice(capacity=capacity, device_index=gpu.index if gpu else 0)
+    device = EmulatedDevice(capacity=capacity, device_index=gpu.index if gpu else 0, count_moves=True)
     device.__enter__()
     _DEVICE.append(device)
     steps = [0]
@@ -58,7 +62,13 @@ def enter_emulated_device(capacity: int) -> None:
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps torch's own loader so that the device is entered once
-    torch has finished loading."""
+    torch has finished loading.
+
+    It stays first on sys.meta_path until torch has really been executed: libraries probe
+    for torch with ``importlib.util.find_spec("torch")`` before (or instead of) importing it
+    (datasets, transformers, accelerate's ``is_*_available``), and every spec it hands out
+    carries the wrapped loader, so torch loaded through any of them, by ``import`` or by
+    ``module_from_spec`` and ``exec_module``, enters the device."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -66,20 +76,35 @@ class _AfterTorch(importlib.abc.MetaPathFinder):
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if name != "torch":
             return None
-        sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
-        capacity = self.capacity
         original = loader.exec_module  # type: ignore[attr-defined]
 
         def exec_module(module: Any) -> None:
             original(module)
-            enter_emulated_device(capacity)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            if threading.current_thread() is not threading.main_thread():
+                # A dispatch mode is entered per thread: entered here, it would leave the
+                # script's main thread (where it trains) unguarded.
+                refuse(f"torch was first imported in thread {threading.current_thread().name!r}, not the main "
+                       "thread; import torch in the main thread first (e.g. at the top of the script)")
+            enter_emulated_device(self.capacity)
 
+        # PathFinder makes a new loader for every spec: wrapping it touches no one else's.
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+def refuse(reason: str) -> NoReturn:
+    """End the process at once when the emulated capacity cannot be applied: a script that ran
+    on unguarded would never run out of memory and its job would look as if it fit. The line
+    has the form of an exception line, for the daemon to quote as how the attempt ended."""
+    sys.stderr.write(f"RuntimeError: oomguard could not apply the emulated device memory: {reason}\n")
+    sys.stderr.flush()
+    os._exit(EXIT_NOT_APPLIED)
 
 
 def install_when_torch_loads() -> None:

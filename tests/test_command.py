@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -107,10 +108,9 @@ def test_check_names_the_known_placeholders():
         check(CommandSpec(argv=("x", "{nope}")))
 
 
-def run_with_bootstrap(code: str, tmp_path: Path, **env: str) -> str:
-    import os
-    import subprocess
-
+def bootstrapped(code: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a Python that loads the bootstrap as a command job's processes do, with
+    tmp_path/other (a sitecustomize of its own, and modules a test writes) on its path."""
     from oomguard.jobs.command import BOOTSTRAP_DIR
 
     other = tmp_path / "other"
@@ -118,7 +118,11 @@ def run_with_bootstrap(code: str, tmp_path: Path, **env: str) -> str:
     (other / "sitecustomize.py").write_text("print('the hidden sitecustomize ran', flush=True)\n")
     environment = {k: v for k, v in os.environ.items() if not k.startswith("OOMGUARD_")}
     environment.update(env, PYTHONPATH=os.pathsep.join([str(BOOTSTRAP_DIR), str(other)]))
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=environment)
+
+
+def run_with_bootstrap(code: str, tmp_path: Path, **env: str) -> str:
+    done = bootstrapped(code, tmp_path, **env)
     return done.stdout + done.stderr
 
 
@@ -131,6 +135,70 @@ def test_a_script_that_imports_torch_runs_on_the_emulated_device(tmp_path: Path)
     code = "import torch\ntry:\n    torch.zeros(4 * 2**20)\nexcept torch.OutOfMemoryError as error:\n    print('OOM:', str(error)[:60])\nelse:\n    print('fits')"
     assert "OOM: CUDA out of memory. Tried to allocate 16.00 MiB. GPU 0 has a" in run_with_bootstrap(code, tmp_path, OOMGUARD_EMULATE_DEVICE_MEMORY="8MiB")
     assert "fits" in run_with_bootstrap(code, tmp_path)  # no capacity: nothing emulated
+
+
+TRY_16_MIB = "try:\n    torch.zeros(4 * 2**20)\nexcept torch.OutOfMemoryError as error:\n    print('OOM:', str(error)[:60])\nelse:\n    print('fits')"
+
+# A library that asks whether torch is there before importing it, as datasets' config and
+# transformers' import utilities do (USE_TORCH, importlib.util.find_spec, the version from
+# the package metadata), and imports it only later, when a torch feature is used.
+PROBING_LIBRARY = """import importlib.metadata
+import importlib.util
+import os
+
+USE_TORCH = os.environ.get("USE_TORCH", "AUTO").upper()
+TORCH_AVAILABLE = False
+if USE_TORCH in ("1", "ON", "YES", "TRUE", "AUTO"):
+    TORCH_AVAILABLE = importlib.util.find_spec("torch") is not None
+    if TORCH_AVAILABLE:
+        TORCH_VERSION = importlib.metadata.version("torch")
+
+
+def with_format_torch():
+    import torch
+
+    return torch
+"""
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import probing_library\ntorch = probing_library.with_format_torch()",
+        # The spec a probe found, loaded by hand (importlib's recipe for importing a module
+        # directly, which lazy-import helpers use).
+        "import importlib.util, sys\nspec = importlib.util.find_spec('torch')\ntorch = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['torch'] = torch\nspec.loader.exec_module(torch)",
+        "import importlib.util\nimportlib.util.find_spec('torch')\nimportlib.util.find_spec('torch')\nimport torch",
+    ],
+    ids=["library-probes-first", "loaded-from-the-probed-spec", "probed-twice"],
+)
+def test_the_cap_applies_however_torch_is_first_found_and_loaded(tmp_path: Path, first: str):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "probing_library.py").write_text(PROBING_LIBRARY)
+    output = run_with_bootstrap(f"{first}\n{TRY_16_MIB}", tmp_path, OOMGUARD_EMULATE_DEVICE_MEMORY="8MiB")
+    assert "OOM: CUDA out of memory. Tried to allocate 16.00 MiB." in output, output
+
+
+@pytest.mark.parametrize(
+    ("code", "env", "says"),
+    [
+        (
+            "import threading\nthreading.Thread(target=lambda: __import__('torch')).start()\nimport time; time.sleep(60)",
+            {"OOMGUARD_EMULATE_DEVICE_MEMORY": "8MiB"},
+            "torch was first imported in thread 'Thread-1 (<lambda>)', not the main thread; import torch in the main thread first",
+        ),
+        ("import torch\nprint('ran unguarded')", {"OOMGUARD_EMULATE_DEVICE_MEMORY": "8 parsecs"}, "ValueError: "),
+    ],
+    ids=["torch-imported-in-a-thread", "capacity-unreadable"],
+)
+def test_a_process_whose_cap_cannot_be_applied_ends_at_once_saying_why(tmp_path: Path, code: str, env: dict[str, str], says: str):
+    from oomguard.jobs.script_memory import EXIT_NOT_APPLIED
+
+    done = bootstrapped(code, tmp_path, **env)
+    assert done.returncode == EXIT_NOT_APPLIED, done
+    assert "RuntimeError: oomguard could not apply the emulated device memory: " in done.stderr
+    assert says in done.stderr and "ran unguarded" not in done.stdout
 
 
 @pytest.mark.parametrize(

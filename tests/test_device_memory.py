@@ -473,3 +473,40 @@ def test_sparse_tensors_are_not_counted_and_do_not_break_the_count():
         sparse = torch.eye(64).to_sparse()
         product = torch.sparse.mm(sparse, torch.ones(64, 4))  # a dense result, counted
         assert device.live_bytes >= dense.untyped_storage().nbytes() + product.untyped_storage().nbytes()
+
+
+def test_with_count_moves_a_tensor_sent_to_the_device_counts_once_though_nothing_is_copied():
+    from safetensors.torch import load, save
+
+    # Weights as from_pretrained reads them: safetensors builds the storages outside any op.
+    weights = load(save({"weight": torch.zeros(1024), "bias": torch.zeros(256)}))
+    device = EmulatedDevice(capacity=None, count_moves=True)
+    with device:
+        assert device.live_bytes == 0
+        moved = weights["weight"].to(torch.device("cpu"))
+        assert moved.untyped_storage().data_ptr() == weights["weight"].untyped_storage().data_ptr()  # no copy
+        assert device.live_bytes == 4096
+        weights["weight"].to("cpu", non_blocking=True)
+        assert device.live_bytes == 4096  # counted once
+        weights["bias"].cpu()  # back to the host: not device memory
+        weights["bias"].to(torch.float32)  # no device named: it stays where it is
+        assert device.live_bytes == 4096
+        half = weights["bias"].to(device="cpu", dtype=torch.float16)  # a copy: counted as made
+        assert device.live_bytes == 4096 + 512
+        del moved, half
+    assert device.live_bytes == 4096  # the weights live on: their storage is still counted
+
+
+def test_moves_are_counted_only_when_asked_and_refused_when_they_do_not_fit():
+    from safetensors.torch import load, save
+
+    weights = load(save({"weight": torch.zeros(2048)}))  # 8 KiB
+    with EmulatedDevice(capacity=None) as runner_device:
+        weights["weight"].to("cpu")
+        assert runner_device.live_bytes == 0  # the built-in runner says what it moves itself
+    model = nn.Linear(64, 64)  # 16.25 KiB, made on the host before the device
+    with EmulatedDevice(capacity=12 * KiB, count_moves=True) as device:
+        weights["weight"].to("cpu")
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 16.00 KiB"):
+            model.to("cpu")
+        assert device.last_oom is not None and device.last_oom.allocated == 8 * KiB

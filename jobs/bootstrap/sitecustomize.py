@@ -28,9 +28,24 @@ def _run_the_hidden_sitecustomize() -> None:
             return
 
 
+def _emulate_device_memory() -> None:
+    """Count the script's tensors against the emulated capacity, or end the process: Python
+    reports an exception raised here ("Error in sitecustomize") and runs the script on, which
+    would then never run out of memory and look as if it fit."""
+    try:
+        from oomguard.jobs.script_memory import install_when_torch_loads
+
+        install_when_torch_loads()
+    except Exception as error:
+        sys.stderr.write(
+            f"RuntimeError: oomguard could not apply the emulated device memory: {type(error).__name__}: {error} "
+            f"(emulation needs the script to run on a Python with oomguard installed; this one is {sys.executable})\n"
+        )
+        sys.stderr.flush()
+        os._exit(70)  # jobs/script_memory.py EXIT_NOT_APPLIED
+
+
 oomguard_ranks.install()
 if os.environ.get("OOMGUARD_EMULATE_DEVICE_MEMORY") or os.environ.get("OOMGUARD_EMULATED_GPUS"):
-    from oomguard.jobs.script_memory import install_when_torch_loads
-
-    install_when_torch_loads()
+    _emulate_device_memory()
 _run_the_hidden_sitecustomize()
