@@ -20,6 +20,13 @@ The rules, and why:
   and tracebacks printed at interpreter shutdown ("Exception ignored in", "Error in
   atexit._run_exitfuncs"). Limitation: when one rank OOMs and another rank's NCCL watchdog times
   out after it, whichever is printed last wins; read that log per rank.
+- **A traceback names its exception by its shape.** The exception a traceback ends with is the
+  first line after its frames, whatever its class is called (``BrokenProcessPool`` and
+  ``torch._dynamo.exc.Unsupported`` end in neither Error nor Exception), without the prefix its
+  "Traceback" line carries on every line (torchrun --tee's "[default0]:", srun --label's "0: ";
+  other processes' lines interleaved with it are skipped). An ordinary error is ``not_oom`` with
+  its line quoted as the message, never "no error found". So is the interpreter refusing to start
+  the script ("python3: can't open file '/x/train.py': [Errno 2] ...", "No module named ...").
 - **Fragmentation compares numbers, not the hint.** PyTorch prints its "If reserved but
   unallocated memory is large ... expandable_segments" hint on every OOM; the verdict is
   ``oom_fragmentation`` only when the reserved-but-unallocated bytes are at least the failed
@@ -34,9 +41,28 @@ The rules, and why:
   Messages without per-process figures (PyTorch < 2.1, XPU, MPS) are never ``oom_other_process``:
   memory missing from the totals there may be this process's own non-PyTorch memory; the reason
   says how much is unaccounted for.
-- **A per-process cap is not a neighbour.** With ``set_per_process_memory_fraction`` the message
-  says "X allowed;"; when PyTorch's reserved bytes plus the request exceed it, the cap refused
-  the request and the verdict is plain ``oom`` whatever other processes hold.
+- **A per-process cap is not a neighbour.** With ``set_per_process_memory_fraction`` the caching
+  allocator's message says "X allowed;" (CUDA, HIP, XPU >= 2.9); when PyTorch's reserved bytes plus
+  the request exceed it, the cap refused the request and the verdict is plain ``oom`` whatever other
+  processes hold. The cudaMallocAsync backend (``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``,
+  ComfyUI's default) words it "Allocation on device 0 would exceed allowed memory. (out of memory)"
+  with one figure a line (currently allocated, requested, device limit = capacity, free, "PyTorch
+  limit"): always plain ``oom`` (no per-process or reserved figures to tell more), the cap named only
+  when allocated plus requested reach a limit below the device's size (without a fraction the limit
+  it prints is the whole device).
+- **The message without its head.** "Tried to allocate X (GPU 0; ...)" and "Tried to allocate X.
+  GPU 0 has a total capacity of ..." are the caching allocator's words even when a logger or a
+  wrapper's re-raise dropped "CUDA out of memory." in front of them; CUDA unless they name HIP/XPU.
+- **The allocator's warning on a failed allocation** (torch 2.13: "[W... CUDACachingAllocator.cpp:N]
+  memory allocation failed with OOM on device 1 while trying to allocate B bytes (free: F, total: T).",
+  or "expandable_segments: memory mapping failed with OOM ... while trying to map ...") is logged on
+  every failed cudaMalloc, also those the allocator recovers from by freeing its cache and retrying,
+  so on its own it decides nothing. It is an OOM with its figures when the log ends with it (nothing
+  after it but blank lines and warnings: the process hung or was killed), and it gives its figures to
+  a memory error just after it that has none (within 50 lines before its traceback): "CUDA error: out
+  of memory", or the "NVML_SUCCESS == r INTERNAL ASSERT FAILED at .../CUDACachingAllocator.cpp" that
+  PyTorch raises instead of OutOfMemoryError when NVML fails while it builds the OOM report
+  (pytorch#112377, #185240), itself a device OOM.
 - **Host OOM:** ``DefaultCPUAllocator`` ("can't allocate memory" / "not enough memory"),
   Python's ``MemoryError`` and numpy's ``_ArrayMemoryError``, ``std::bad_alloc`` (C++ ``new``
   failed: host RAM, or an absurd size from a bug, which is rare), the kernel's OOM killer
@@ -227,6 +253,24 @@ _MPS_ALLOWED = _sized(r"max allowed: ")
 _XLA_EXACT = re.compile(r"\((\d+)B\)")
 _XLA_REQUEST = _sized(r"(?:trying to allocate|allocating|allocate request for) ")
 _XLA_ORDINAL = re.compile(r"device ordinal (\d+)")
+# PyTorch's cudaMallocAsync backend (PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync,
+# c10/cuda/CUDAMallocAsyncAllocator.cpp, mallocAsync), one figure a line: "Allocation on device 0 would exceed allowed
+# memory. (out of memory)\nCurrently allocated     : A\nRequested               : X\nDevice limit            : T\n
+# Free (according to CUDA): F\nPyTorch limit (set by user-supplied memory fraction)\n                        : L".
+_ASYNC = re.compile(r"Allocation on device (\d+) would exceed allowed memory")
+_ASYNC_ALLOCATED = _sized(r"Currently allocated\s*:\s*")
+_ASYNC_REQUESTED = _sized(r"\bRequested\s*:\s*")
+_ASYNC_TOTAL = _sized(r"Device limit\s*:\s*")
+_ASYNC_FREE = _sized(r"Free \(according to \w+\)\s*:\s*")
+_ASYNC_LIMIT = _sized(r"PyTorch limit[^:]*:\s*")
+# The caching allocator's warning on every failed cudaMalloc (torch 2.13, c10 LOG(WARNING), pytorch#180946), and its
+# expandable-segments form (cuMemCreate failed): "memory allocation failed with OOM on device 1 while trying to allocate
+# 20971520 bytes (free: 15794176, total: 150111977472)." / "expandable_segments: memory mapping failed with OOM on device 0
+# while trying to map 20971520 bytes (free: 5832704, total: 101975851008)".
+_ALLOC_WARNING = re.compile(
+    r"memory (?:allocation|mapping) failed with OOM on device (\d+) while trying to (?:allocate|map) (\d+) bytes "
+    r"\(free: (\d+), total: (\d+)\)"
+)
 _HOST_REQUEST = re.compile(r"you tried to allocate (\d+) bytes")
 _NUMPY_REQUEST = _sized(r"Unable to allocate ", r" for an array")
 _NCCL_CALLOC = re.compile(r"Failed to CUDA calloc (\d+) bytes")
@@ -295,6 +339,21 @@ def _mps_figures(text: str) -> OomVerdict:
     )
 
 
+def _async_figures(text: str, device: str) -> OomVerdict:
+    gpu = _ASYNC.search(text)
+    return OomVerdict(
+        kind="oom", device=device, gpu_index=int(gpu.group(1)) if gpu else None, requested=_size(_ASYNC_REQUESTED, text),
+        total=_size(_ASYNC_TOTAL, text), free=_size(_ASYNC_FREE, text), allocated=_size(_ASYNC_ALLOCATED, text),
+        allowed=_size(_ASYNC_LIMIT, text), message=text,
+    )
+
+
+def _warning_figures(text: str) -> OomVerdict:
+    """The figures of the caching allocator's warning on a failed allocation (a line ``_ALLOC_WARNING`` matches)."""
+    gpu, requested, free, total = (int(n) for n in _ALLOC_WARNING.search(text).groups())  # type: ignore[union-attr]
+    return OomVerdict(kind="oom", device="cuda", gpu_index=gpu, requested=requested, free=free, total=total, message=text)
+
+
 def _xla_figures(text: str) -> OomVerdict:
     exact = _XLA_EXACT.search(text)
     ordinal = _XLA_ORDINAL.search(text)
@@ -331,12 +390,16 @@ def _judge(v: OomVerdict, notes: Sequence[str] = ()) -> OomVerdict:
             reason=f"PyTorch held {size(unallocated)} reserved but unallocated, at least the {size(requested)} it failed to "
             f"allocate: the memory is there but in pieces, which expandable segments fix{note}",
         )
-    # c10 rounds to two decimals, so a request that meets the cap exactly was over it.
-    if v.allowed is not None and reserved is not None and requested is not None and reserved + requested >= v.allowed:
+    # c10 rounds to two decimals, so a request that meets the cap exactly was over it. The caching allocator counts
+    # its reserved bytes against the cap, cudaMallocAsync its allocated bytes (it prints no reserved figure); a limit
+    # that is the whole device (cudaMallocAsync prints one without a fraction) is no cap.
+    counted = reserved if reserved is not None else v.allocated
+    cap = v.allowed if v.allowed is not None and (v.total is None or v.allowed < v.total) else None
+    if cap is not None and counted is not None and requested is not None and counted + requested >= cap:
         return dataclasses.replace(
             v,
             kind="oom",
-            reason=f"PyTorch's {size(reserved)} plus the {size(requested)} requested reach the per-process limit of "
+            reason=f"PyTorch's {size(counted)} plus the {size(requested)} requested reach the per-process limit of "
             f"{size(v.allowed)} allowed (set_per_process_memory_fraction): the limit refused it, not a full {device}{note}",
         )
     # This process: NVML's figure, or at least what PyTorch reserved.
@@ -364,6 +427,8 @@ def _judge(v: OomVerdict, notes: Sequence[str] = ()) -> OomVerdict:
         reason += f" and {size(ours)} in use by this process"
     elif reserved is not None:
         reason += f" and {size(reserved)} reserved by PyTorch"
+    elif v.allocated is not None:
+        reason += f" and {size(v.allocated)} allocated by PyTorch"
     if v.allowed is not None:
         reason += f" ({size(v.allowed)} allowed)"
     reason += ": the job needs less memory"
@@ -382,7 +447,7 @@ _RANK_PREFIX = re.compile(r"^(?:\s*\[(?:rank|Rank|RANK)\s*\d+\]:?\s?)+")
 # Only lines holding one of these are looked at; everything else is progress and chatter.
 _TRIGGER = re.compile(
     r"memory|error|exception|killed|sigkill|oom|exit|nccl|cudnn|cublas|resource_exhausted|bad_alloc|traceback|"
-    r"above exception|plan failed|unable to find|executable batch|signal|allocat",
+    r"above exception|plan failed|unable to find|executable batch|signal|allocat|can't open file|no module named",
     re.IGNORECASE,
 )
 _CHAIN = re.compile(r"During handling of the above exception, another exception occurred|The above exception was the direct cause")
@@ -393,6 +458,10 @@ _CODE = re.compile(r"^(?:raise|except|if|elif|assert|return|print)\b")
 _SHUTDOWN_NOISE = re.compile(r"^Exception ignored in|^Error in atexit\._run_exitfuncs")
 _MEMORY_EVIDENCE = re.compile(r"Plan failed with an? OutOfMemoryError")
 _EXCEPTION_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit))(?::\s?(.*))?$")
+# The line a traceback ends with, after its frames: a (dotted) class name, then ": message" or nothing. Any class:
+# BrokenProcessPool and torch._dynamo.exc.Unsupported end in neither Error nor Exception.
+_RAISED = re.compile(r"(?:[A-Za-z_]\w*\.)*[A-Z]\w*[a-z]\w*(?::|$)")
+_TRACEBACK_LINES = 500  # how far to look for the end of a traceback (Python folds repeated frames)
 
 
 @dataclass(frozen=True)
@@ -415,6 +484,12 @@ _RULES: tuple[_Rule, ...] = (
     _rule(r"\b(?:CUDA|HIP|XPU) out of memory\. Tried to allocate", "device"),
     _rule(r"MPS backend out of memory", "device", "mps"),
     _rule(r"(?:^|:\s*)(?:CUDA|HIP|XPU) out of memory\.?(?:\s|$)", "device"),
+    # The caching allocator's message quoted without its "CUDA out of memory." head (a logger, a wrapper's re-raise).
+    _rule(r"Tried to allocate \d[\d.]*\s*\w+(?: \(GPU \d+;|\. GPU \d+ has a total capac)", "device"),
+    _rule(r"Allocation on device (?:\d+ )?would exceed allowed memory", "device", None,
+          "PyTorch's cudaMallocAsync allocator refused an allocation beyond the memory allowed to it"),
+    _rule(r"NVML_SUCCESS == .*INTERNAL ASSERT FAILED at \"[^\"]*CUDACachingAllocator\.cpp\"", "device", "cuda",
+          "PyTorch's CUDA allocator ran out of device memory and failed an NVML query while reporting it (pytorch#112377)"),
     _rule(r"(?:CUDA|HIP) error: out of memory", "device", None, "a CUDA call outside PyTorch's allocator ran out of device memory"),
     _rule(r"cuda runtime error \(2\) : out of memory", "device", "cuda", "PyTorch's old THC allocator ran out of device memory"),
     _rule(r"CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation|hipErrorOutOfMemory|HIP_ERROR_OutOfMemory", "device", None,
@@ -458,6 +533,10 @@ _RULES: tuple[_Rule, ...] = (
           "cuDNN reported an internal error, a catch-all (driver or install faults, sometimes memory while loading kernels); "
           "oomguard retries it rather than shrinking the job"),
     _rule(r"CUDA error: ", "error", "cuda", "a CUDA error that is not about memory"),
+    # CPython's own refusal to start the script (Modules/main.c, pymain_run_file / runpy).
+    _rule(r"python[\w.]*(?:\.exe)?: (?:can't open file |No module named |Error while finding module specification )",
+          "error", None, "the Python interpreter could not start the job's script (a wrong path, module name or "
+          "working directory in the job's command)"),
 )
 
 
@@ -475,41 +554,70 @@ class _Reader:
         self.chains: list[int] = []  # lines of "During handling ..." separators
         self.tracebacks: list[int] = []
         self.evidence: list[int] = []  # lines of "Plan failed with an OutOfMemoryError"
+        self.alloc_warnings: list[int] = []  # lines of the caching allocator's warning on a failed allocation
         self._scan()
 
     # Scanning --------------------------------------------------------------------------------
 
     def _scan(self) -> None:
         noise_until = -1
+        raised: dict[int, str] = {}  # line -> the exception a traceback ends with there, its line prefix removed
         for i, line in enumerate(self.lines):
-            if not line or not _TRIGGER.search(line):
+            exception = raised.pop(i, None)
+            if not line or exception is None and not _TRIGGER.search(line):
                 continue
-            if _CHAIN.search(line):
-                self.chains.append(i)
-                continue
-            if _TRACEBACK.search(line):
-                self.tracebacks.append(i)
-                continue
-            if _MEMORY_EVIDENCE.search(line):
-                self.evidence.append(i)
+            if self._mark(i, line):
+                if self.tracebacks and self.tracebacks[-1] == i:
+                    raised.update(self._raised(i))
                 continue
             if _SHUTDOWN_NOISE.search(line):
                 noise_until = i + 40  # its traceback follows; the exception that ends it is noise
                 continue
-            if _WARNING.search(line):
+            if exception is None and _WARNING.search(line):
                 continue
-            rule = self._match(line)
+            text = exception or line.strip()
+            rule = self._match(text) or (_GENERIC if exception else None)
             # A quoted source line names errors without raising them, unless the error's own
             # output was glued to it (stderr interleaved with the traceback).
-            if rule is None or _CODE.match(line.lstrip()) and rule.category not in ("device", "host"):
+            if rule is None or _CODE.match(text) and rule.category not in ("device", "host"):
                 continue
             if i <= noise_until and rule.category == "error":
                 noise_until = -1
                 continue
             if rule.category == "wrapper":
                 continue
-            text = self._with_continuation(i) if rule.category in ("device", "nccl") else line.strip()
+            if rule.category in ("device", "nccl"):
+                text = self._with_continuation(i, text)
             self.events.append(_Event(i, rule, text))
+
+    def _mark(self, i: int, line: str) -> bool:
+        """Record a line that frames errors without being one: a chain separator, a traceback's start, memory
+        evidence, an allocator warning. True when ``line`` is one."""
+        marks = (
+            (_CHAIN, self.chains), (_TRACEBACK, self.tracebacks), (_MEMORY_EVIDENCE, self.evidence),
+            (_ALLOC_WARNING, self.alloc_warnings),
+        )
+        for pattern, lines in marks:
+            if pattern.search(line):
+                lines.append(i)
+                return True
+        return False
+
+    def _raised(self, i: int) -> dict[int, str]:
+        """The exception the traceback starting at line ``i`` ends with, as {line: text}: the first line after its
+        frames, without the prefix its "Traceback" line has (torchrun's "[default0]:", srun's "0: ")."""
+        prefix = self.lines[i][: _TRACEBACK.search(self.lines[i]).start()]  # type: ignore[union-attr]
+        if i + 1 == len(self.lines) or not self.lines[i + 1].startswith(prefix):
+            prefix = ""  # text glued in front of it, not a prefix of every line
+        for j in range(i + 1, min(len(self.lines), i + _TRACEBACK_LINES)):
+            line = self.lines[j]
+            if not line.startswith(prefix):
+                continue  # another process's output interleaved with it
+            line = line[len(prefix) :]
+            if not line.strip() or line[0].isspace():
+                continue  # its frames, the source lines they quote and their carets
+            return {j: line.strip()} if _RAISED.match(line) else {}
+        return {}
 
     def _match(self, line: str) -> _Rule | None:
         stripped = line.strip()
@@ -520,9 +628,9 @@ class _Reader:
             return _GENERIC
         return None
 
-    def _with_continuation(self, i: int) -> str:
-        """The line and the lines that continue its message (wrapped or multi-line messages)."""
-        parts = [self.lines[i].strip()]
+    def _with_continuation(self, i: int, first: str) -> str:
+        """The line (``first``: its text) and the lines that continue its message (wrapped or multi-line messages)."""
+        parts = [first]
         for line in self.lines[i + 1 : i + 8]:
             stripped = line.strip()
             if not stripped or _TRACEBACK.search(stripped) or _CHAIN.search(stripped) or stripped.startswith("File "):
@@ -542,6 +650,9 @@ class _Reader:
     # Judging ---------------------------------------------------------------------------------
 
     def verdict(self) -> OomVerdict:
+        final = self._final_warning()
+        if final is not None:
+            return _warning_verdict(self.lines[final].strip())
         if not self.events:
             return OomVerdict(kind="not_oom", reason="no error found in the text")
         incident = self._last_incident()
@@ -559,7 +670,7 @@ class _Reader:
                 "OOM killer (host RAM ran out); `dmesg | grep -i oom` confirms it",
             )
         if category == "cudnn_unsupported":
-            if self._memory_evidence_before(last):
+            if self._mark_before(last, self.evidence) is not None:
                 return OomVerdict(
                     kind="oom", device="cuda", message=last.text,
                     reason="cuDNN could not run the operation after an allocation failed just before it: the workspace "
@@ -595,11 +706,37 @@ class _Reader:
             incident.insert(0, earlier)
         return incident
 
-    def _memory_evidence_before(self, event: _Event) -> bool:
+    def _final_warning(self) -> int | None:
+        """The allocator warning the log ends with (nothing after it but blank lines and warnings), if any."""
+        if not self.alloc_warnings or self.events and self.events[-1].line > self.alloc_warnings[-1]:
+            return None
+        last = self.alloc_warnings[-1]
+        return last if all(not line.strip() or _WARNING.search(line) for line in self.lines[last + 1 :]) else None
+
+    def _mark_before(self, event: _Event, marks: list[int]) -> int | None:
+        """The last of ``marks`` just before ``event``: before its traceback (or it) by at most 50 lines, and after
+        the error before it."""
         start = max((t for t in self.tracebacks if t < event.line), default=event.line)
         earlier = [e.line for e in self.events if e.line < start]
         window_start = max(start - 50, earlier[-1] if earlier else -1)
-        return any(window_start < line < event.line for line in self.evidence)
+        return max((line for line in marks if window_start < line < event.line), default=None)
+
+    def _with_warning_figures(self, event: _Event, verdict: OomVerdict) -> OomVerdict:
+        """A memory error that gives no sizes takes them from the allocator's warning just before it."""
+        line = self._mark_before(event, self.alloc_warnings)
+        if line is None:
+            return verdict
+        w = _warning_figures(self.lines[line])
+        return dataclasses.replace(
+            verdict,
+            device=verdict.device or w.device,
+            gpu_index=verdict.gpu_index if verdict.gpu_index is not None else w.gpu_index,
+            requested=w.requested,
+            free=w.free,
+            total=w.total,
+            reason=f"{verdict.reason}; just before it PyTorch's caching allocator warned that it could not get "
+            f"{describe_size(w.requested)} with {describe_size(w.free)} free of {describe_size(w.total)}",
+        )
 
     def _memory_verdict(self, event: _Event, chained: bool) -> OomVerdict:
         text, rule = event.text, event.rule
@@ -611,18 +748,11 @@ class _Reader:
                 requested=int(requested.group(1)) if requested else _size(_NUMPY_REQUEST, text),
                 reason=f"{rule.what}{wrapped}",
             )
-        if rule.device == "mps":
-            verdict = _judge(_mps_figures(text))
-        elif rule.device == "xla":
-            verdict = _judge(_xla_figures(text))
-        else:
-            device = rule.device or _device_name(text)
-            if "Tried to allocate" in text:
-                verdict = _judge(*_caching_allocator_figures(text, device))
-            else:
-                verdict = _judge(OomVerdict(kind="oom", device=device, message=text))
+        verdict = _device_verdict(rule, text)
         if rule.what and verdict.requested is None and verdict.total is None:
             verdict = dataclasses.replace(verdict, reason=f"{rule.what} (the message gives no sizes)")
+        if verdict.requested is None and verdict.total is None:
+            verdict = self._with_warning_figures(event, verdict)
         elif rule.device == "mps" and verdict.kind == "oom":
             verdict = dataclasses.replace(
                 verdict,
@@ -637,6 +767,32 @@ class _Reader:
 
 
 _GENERIC = _Rule(_EXCEPTION_LINE, "error")
+
+
+def _device_verdict(rule: _Rule, text: str) -> OomVerdict:
+    """The judged figures of a device OOM's message, by the allocator that wrote it."""
+    if rule.device == "mps":
+        return _judge(_mps_figures(text))
+    if rule.device == "xla":
+        return _judge(_xla_figures(text))
+    # The caching allocator's wordings are CUDA's unless they name HIP or XPU (ROCm builds run the same code).
+    device = rule.device or _device_name(text)
+    if _ASYNC.search(text):
+        return _judge(_async_figures(text, device or "cuda"))
+    if "Tried to allocate" in text:
+        return _judge(*_caching_allocator_figures(text, device or "cuda"))
+    return _judge(OomVerdict(kind="oom", device=device, message=text))
+
+
+def _warning_verdict(text: str) -> OomVerdict:
+    """The verdict on a log that ends with the caching allocator's warning on a failed allocation."""
+    v = _warning_figures(text)
+    return dataclasses.replace(
+        v,
+        reason=f"PyTorch's caching allocator warned that it could not get {describe_size(v.requested)} with "
+        f"{describe_size(v.free)} free of {describe_size(v.total)} on GPU {v.gpu_index}, and the log ends there with no "
+        "error after it (the process hung or was killed): the job needs less memory",
+    )
 
 
 def _device_name(text: str) -> str | None:

@@ -217,6 +217,170 @@ def test_read_oom_log_reads_the_tail_of_a_big_file(tmp_path: Path) -> None:
         read_oom_log(tmp_path / "missing.log")
 
 
+# A per-process cap (set_per_process_memory_fraction) ----------------------------------------
+
+# c10/cuda/CUDAMallocAsyncAllocator.cpp (mallocAsync), the backend:cudaMallocAsync allocator.
+ASYNC_OOM = (
+    "torch.OutOfMemoryError: Allocation on device {gpu} would exceed allowed memory. (out of memory)\n"
+    "Currently allocated     : {allocated}\n"
+    "Requested               : {requested}\n"
+    "Device limit            : {total}\n"
+    "Free (according to CUDA): {free}\n"
+    "PyTorch limit (set by user-supplied memory fraction)\n"
+    "                        : {limit}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        ("", ""),
+        ("Steps:  3%|▎         | 12/400 [00:31<16:40,  2.58s/it]\n", "\nwandb: Waiting for W&B process to finish...\n"),
+        ("[rank3]: ", ""),  # only the first line carries the rank prefix here; the scanner strips it
+        ("!!! Exception during processing !!! ", "Got an OOM, unloading all loaded models.\n"),
+    ],
+)
+def test_the_cuda_malloc_async_allocator_refusing_is_a_plain_oom_with_its_figures(before: str, after: str) -> None:
+    text = before + ASYNC_OOM.format(
+        gpu=2, allocated="30.12 GiB", requested="2.50 GiB", total="79.15 GiB", free="40.01 GiB", limit="31.66 GiB"
+    ) + after
+    verdict = read_oom(text)
+    assert verdict.kind == "oom" and verdict.device == "cuda" and verdict.gpu_index == 2
+    assert (verdict.requested, verdict.allocated, verdict.total, verdict.free, verdict.allowed) == (
+        expected_bytes("2.50GiB"), expected_bytes("30.12GiB"), expected_bytes("79.15GiB"), expected_bytes("40.01GiB"),
+        expected_bytes("31.66GiB"),
+    )
+    assert verdict.reserved_unallocated is None and verdict.process_in_use is None and not verdict.other_processes
+    assert "set_per_process_memory_fraction" in verdict.reason and "Allocation on device 2" in verdict.message
+
+
+def test_a_cuda_malloc_async_limit_that_is_the_whole_device_is_no_cap() -> None:
+    # Without a fraction PyTorch prints the device's size as its limit: the device was full, no cap refused it.
+    verdict = read_oom(ASYNC_OOM.format(
+        gpu=0, allocated="23.10 GiB", requested="1.00 GiB", total="23.65 GiB", free="312.00 MiB", limit="23.65 GiB"
+    ))
+    assert verdict.kind == "oom" and verdict.allowed == expected_bytes("23.65GiB")
+    assert "set_per_process_memory_fraction" not in verdict.reason
+    assert "23.10 GiB allocated by PyTorch" in verdict.reason
+
+
+# The caching allocator's warning on a failed allocation (torch 2.13) --------------------------
+
+WARNING_LINE = (
+    "[W812 16:00:28.643448608 CUDACachingAllocator.cpp:3933] memory allocation failed with OOM on device 0 while trying "
+    "to allocate 20971520 bytes (free: 15794176, total: 25250627584)."
+)
+TRACEBACK = 'Traceback (most recent call last):\n  File "train.py", line 10, in <module>\n    loss.backward()\n'
+
+
+def test_an_allocator_warning_the_job_went_on_from_decides_nothing() -> None:
+    progress = "Steps:  12%|█▏        | 48/400 [01:02<07:36,  1.30s/it, loss=0.0913]\n"
+    assert read_oom(WARNING_LINE + "\n" + progress + "saved final model\n").reason == "no error found in the text"
+    verdict = read_oom(WARNING_LINE + "\n" + TRACEBACK + "ValueError: bad shape\n")
+    assert verdict.kind == "not_oom" and verdict.message == "ValueError: bad shape"
+
+
+def test_an_allocator_warning_gives_its_figures_to_a_memory_error_without_sizes() -> None:
+    verdict = read_oom(WARNING_LINE + "\n" + TRACEBACK + "RuntimeError: CUDA error: out of memory\n")
+    assert verdict.kind == "oom" and verdict.device == "cuda" and verdict.gpu_index == 0
+    assert (verdict.requested, verdict.free, verdict.total) == (20971520, 15794176, 25250627584)
+    assert verdict.message == "RuntimeError: CUDA error: out of memory" and "warn" in verdict.reason
+    # One from long before the error (another step) is not about it.
+    far = read_oom(WARNING_LINE + "\n" + "Steps: 1%|\n" * 100 + TRACEBACK + "RuntimeError: CUDA error: out of memory\n")
+    assert far.kind == "oom" and far.requested is None
+    # A memory error with its own figures keeps them.
+    own = read_oom(WARNING_LINE + "\n" + load(MESSAGES / "cuda_new_format.txt")[1])
+    assert own.requested == read_oom(load(MESSAGES / "cuda_new_format.txt")[1]).requested != 20971520
+
+
+# "Tried to allocate ..." without "CUDA out of memory." in front ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        # PyTorch >= 2.1's wording, as a wrapper quoted it.
+        "RuntimeError: batch 3 failed: Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 23.65 GiB of which "
+        "11.06 MiB is free. Including non-PyTorch memory, this process has 23.60 GiB memory in use. Of the allocated "
+        "memory 22.90 GiB is allocated by PyTorch, and 4.87 MiB is reserved by PyTorch but unallocated.",
+        # PyTorch 1.4-2.0's, as a logger printed it.
+        "2023-01-05 10:11:12 ERROR train: Tried to allocate 20.00 MiB (GPU 0; 23.65 GiB total capacity; 22.90 GiB "
+        "already allocated; 11.06 MiB free; 22.91 GiB reserved in total by PyTorch)",
+    ],
+)
+def test_the_bare_tried_to_allocate_fragment_is_an_oom(line: str) -> None:
+    verdict = read_oom("Steps:  9%|▉         | 36/400 [00:51<08:40]\n" + line + "\n")
+    assert verdict.kind == "oom" and verdict.device == "cuda" and verdict.gpu_index == 0
+    assert verdict.requested == 20 * 2**20 and verdict.total == expected_bytes("23.65GiB")
+
+
+def test_a_warning_that_quotes_the_fragment_decides_nothing() -> None:
+    warning = (
+        "WARNING:root:skipping batch: Tried to allocate 1.72 GiB (GPU 0; 10.76 GiB total capacity; 4.01 GiB already "
+        "allocated; 356.00 MiB free; 5.54 GiB cached)"
+    )
+    assert read_oom(warning + "\nsaved final model\n").kind == "not_oom"
+
+
+# Ordinary Python errors -------------------------------------------------------------------------
+
+
+def prefixed(prefix: str, text: str) -> str:
+    return "".join(f"{prefix}{line}\n" for line in text.splitlines())
+
+
+@pytest.mark.parametrize(
+    ("text", "exception"),
+    [
+        (TRACEBACK + "FileNotFoundError: [Errno 2] No such file or directory: 'train.py'\n", "FileNotFoundError"),
+        (TRACEBACK + "KeyError: 'pixel_values'\nwandb: 🚀 View run upbeat-sun-12 at: https://wandb.ai/a/b/runs/1\n",
+         "KeyError"),
+        # A class whose name does not end in Error, with the message of a pool whose worker was killed.
+        (TRACEBACK + "concurrent.futures.process.BrokenProcessPool: A process in the process pool was terminated "
+         "abruptly while the future was running or pending.\n", "BrokenProcessPool"),
+        # torchrun --tee prefixes each line of a worker with "[<role><local rank>]:", srun --label with the task number.
+        (prefixed("[default1]:", TRACEBACK + "ValueError: Instance images root doesn't exist."), "ValueError"),
+        (prefixed("0: ", TRACEBACK + "torch._dynamo.exc.Unsupported: call_method UserDefinedObjectVariable"), "Unsupported"),
+    ],
+)
+def test_a_traceback_ends_in_the_exception_it_names(text: str, exception: str) -> None:
+    verdict = read_oom(text)
+    assert verdict.kind == "not_oom"
+    assert verdict.message.startswith(exception) or verdict.message.split(":")[0].endswith("." + exception)
+    assert exception in verdict.reason and verdict.reason != "no error found in the text"
+
+
+@pytest.mark.parametrize(
+    ("fixture", "message"),
+    [
+        ("python_traceback_torchrun_prefix", "FileNotFoundError: [Errno 2] No such file or directory: '/data/captions.jsonl'"),
+        ("python_cant_open_file",
+         "/usr/bin/python3: can't open file '/srv/jobs/sdxl/train.py': [Errno 2] No such file or directory"),
+        ("python_error", "ValueError: Instance images root doesn't exists."),
+        ("allocator_warning_recovered", "KeyError: 'captions'"),
+    ],
+)
+def test_an_ordinary_error_is_quoted(fixture: str, message: str) -> None:
+    verdict = read_oom(load(MESSAGES / f"{fixture}.txt")[1])
+    assert verdict.kind == "not_oom" and verdict.message == message
+    assert verdict.reason != "no error found in the text"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "python3: can't open file '/srv/train.py': [Errno 2] No such file or directory",
+        "C:\\Users\\me\\miniconda3\\python.exe: can't open file 'C:\\\\jobs\\\\train.py': [Errno 2] No such file or directory",
+        "/root/.pyenv/versions/3.11.7/bin/python3: No module named trainer",
+        "/usr/bin/python3.10: Error while finding module specification for 'trainer.main' "
+        "(ModuleNotFoundError: No module named 'trainer')",
+    ],
+)
+def test_the_interpreter_refusing_to_start_the_script_is_read(line: str) -> None:
+    verdict = read_oom(line + "\n")
+    assert verdict.kind == "not_oom" and verdict.message == line and "interpreter" in verdict.reason
+
+
 # The CLI ------------------------------------------------------------------------------------
 
 
@@ -256,6 +420,14 @@ def test_diagnose_says_what_oomguard_does(tmp_path: Path, fixture: str, words: s
     assert result.returncode == 0 and words in result.stdout
 
 
+def test_diagnose_quotes_an_ordinary_error(tmp_path: Path) -> None:
+    result = oomguard("diagnose", str(log_file(tmp_path, "python_traceback_torchrun_prefix")))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("verdict: not an out-of-memory error")
+    assert "FileNotFoundError" in result.stdout.splitlines()[1]  # why: names the exception
+    assert "error: FileNotFoundError: [Errno 2] No such file or directory: '/data/captions.jsonl'" in result.stdout
+
+
 def test_diagnose_json(tmp_path: Path) -> None:
     result = oomguard("diagnose", str(log_file(tmp_path, "cuda_new_format_other_process")), "--json")
     assert result.returncode == 0, result.stderr
@@ -291,6 +463,8 @@ def test_diagnose_refuses_a_missing_file_with_the_fix(tmp_path: Path) -> None:
         ("cuda_new_format_fragmentation", 1, "oom"),
         ("illegal_memory_access", 1, "crashed"),
         ("python_error", None, "crashed"),
+        ("python_traceback_torchrun_prefix", 1, "crashed"),
+        ("allocator_warning_log_end", None, "oom"),
     ],
 )
 def test_an_unreported_end_is_read_from_the_output(tmp_path: Path, fixture: str, returncode: int | None, kind: str) -> None:
@@ -301,7 +475,7 @@ def test_an_unreported_end_is_read_from_the_output(tmp_path: Path, fixture: str,
     if kind == "oom":
         verdict = read_oom(load(MESSAGES / f"{fixture}.txt")[1])
         assert outcome.memory == verdict.memory_figures() and outcome.memory.requested is not None
-        assert "CUDA out of memory" in outcome.message
+        assert outcome.message == verdict.message and "memory" in outcome.message.lower()
     if kind == "crashed":
         assert outcome.traceback_tail  # the error the output ends with, for the report
 
