@@ -50,6 +50,8 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+import command_pairs
+
 # One thread per process, here and in every process started from here (workers, the CLI and
 # its runner): CPU time then measures the work, and two processes share two cores.
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -553,6 +555,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the results go (default: bench/results)")
     parser.add_argument("--keep-workdirs", action="store_true", help="keep the oomguard runs' workdirs (printed)")
     parser.add_argument("--update-readme", action="store_true", help="also rewrite the summary in README.md's Benchmarks section")
+    parser.add_argument("--no-command-pairs", action="store_true", help="skip the command-job pairs (bench/command_pairs.py)")
     args = parser.parse_args()
 
     import accelerate
@@ -654,6 +657,8 @@ def main() -> int:
 
         for pair, result in zip(raced, pool.run("race", tasks, describe_race)):
             pair["race"] = result
+        # Scripts run unchanged as command jobs: one process at a time, after the pool's work.
+        commands = None if args.no_command_pairs else command_pairs.measure(scratch / "command-pairs")
     finally:
         pool.close()
         if args.keep_workdirs:
@@ -662,6 +667,7 @@ def main() -> int:
             shutil.rmtree(scratch, ignore_errors=True)
 
     summary = summarise(jobs, pairs, machine, args, planner)
+    summary["command_pairs"] = commands
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ladder.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     plotted = plot(summary, args.out / "ladder.png")
@@ -944,6 +950,8 @@ def markdown(summary: dict[str, Any], plotted: bool) -> str:
         out += [f"- event: {e}".replace("\n", "\n  ") for e in og.get("events", [])
                 if not e.startswith(("queued", "started", "finished")) and "in the runner:" not in e]  # those are the plan changes
         out.append("")
+    if summary.get("command_pairs"):
+        out += [*command_pairs.markdown_section(summary["command_pairs"]), ""]
     out += ["## Sweeps", ""]
     for name, s in summary["sweeps"].items():
         same = f" The plans it shares with {s['same_training_as']} (same model, data and training) are listed there." if s["same_training_as"] else ""
@@ -1016,6 +1024,14 @@ def update_readme(summary: dict[str, Any]) -> None:
         "",
         summary_table(summary),
     ]
+    if summary.get("command_pairs"):
+        c = command_pairs.medians(summary["command_pairs"])
+        lines += [
+            "",
+            f"Command jobs (scripts like diffusers' examples, run unchanged; a cap that drops mid-run or holds from the start): "
+            f"median {c['ooms']} OOM to land over {c['pairs']} pairs, end state passed in {c['end_state_passed']} of {c['pairs']}, "
+            f"median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s.",
+        ]
     if not replace_block("bench/ladder.py", lines):
         log("README.md has no summary markers in its Benchmarks section: not updated")
         return

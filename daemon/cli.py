@@ -3,12 +3,14 @@ second, and only the runner processes it starts load the training stack.
 
 Exit codes: 0 success; 1 the job failed or was cancelled (`run`), or the request was refused;
 2 bad usage or invalid input (a bad job file or size); 3 no such job; 4 the state directory is
-held by another daemon; 130 interrupted (Ctrl-C).
+held by another daemon; 130 interrupted (Ctrl-C); 141 the reader of its output went away
+(`oomguard logs 1 | head`).
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import fcntl
 import json
 import os
@@ -32,6 +34,10 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 EXIT_LOCKED = 4
 EXIT_INTERRUPTED = 130
+# The reader of standard output went away (`oomguard logs 1 | head`): 128 + SIGPIPE, what a shell
+# reports for any program the closed pipe stopped (cat, grep), so a pipeline reads the same
+# with oomguard in it; 0 would claim every line was delivered.
+EXIT_READER_GONE = 141
 
 
 class CliError(Exception):
@@ -49,6 +55,26 @@ def current_user() -> str:
 def print_event(job: dict[str, Any], kind: str, message: str) -> None:
     stamp = time.strftime("%H:%M:%S")
     print(f"[{stamp}] job {job['id']} {job['name']}: {kind}: {message}", flush=True)
+
+
+def stdout_to_devnull() -> None:
+    """Point standard output at /dev/null once its reader has gone: what is still buffered is
+    dropped there instead of failing again at exit with a traceback (Python's own recipe, "Note
+    on SIGPIPE" in the signal module's documentation)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def print_table(table: Any) -> None:
+    """A rich table on standard output, whole rows when piped (not cut to 80 columns)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            raise BrokenPipeError  # ended as by any other command (main), not by rich's exit(1)
+
+    _Console(width=None if sys.stdout.isatty() else 240).print(table)
 
 
 def cap_schedule(text: str | None) -> str | None:
@@ -165,7 +191,6 @@ def status_rows(jobs: list[dict[str, Any]], queue: list[dict[str, Any]], everyth
 def cmd_status(args: argparse.Namespace) -> int:
     from collections import Counter
 
-    from rich.console import Console
     from rich.table import Table
 
     from oomguard.strategies.outcome import format_bytes
@@ -211,8 +236,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{len(rows)} of {len(jobs)} jobs shown: those running, the next {STATUS_QUEUED_SHOWN} queued and the "
             f"last {STATUS_ENDED_SHOWN} ended; `oomguard status --all` lists every job"
         )
-    # Piped output is not cut to 80 columns: scripts and logs get whole rows.
-    Console(width=None if sys.stdout.isatty() else 240).print(table)
+    print_table(table)
     return EXIT_OK
 
 
@@ -228,7 +252,6 @@ def _duration(seconds: float) -> str:
 
 def cmd_gpus(args: argparse.Namespace) -> int:
     """The GPUs as the daemon's monitor last sampled them, with the jobs on each."""
-    from rich.console import Console
     from rich.table import Table
 
     from oomguard.strategies.outcome import format_bytes
@@ -253,7 +276,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
             str(sample["gpu"]), sample["name"] or "", format_bytes(sample["used"]), format_bytes(max(sample["total"] - sample["used"], 0)),
             format_bytes(sample["total"]), listed, "; ".join(jobs_on.get(sample["gpu"], [])),
         )
-    Console(width=None if sys.stdout.isatty() else 240).print(table)
+    print_table(table)
     return EXIT_OK
 
 
@@ -323,14 +346,26 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"  result: {record['result']}")
     for attempt in record["attempts"]:
         outcome = attempt["outcome"] or {}
-        ended = f"{outcome.get('kind')} at step {outcome.get('step')}" if outcome else "running"
-        print(f"  attempt {attempt['number']}: [{_short_plan(attempt['plan'])}] {ended}")
+        print(f"  attempt {attempt['number']}: [{_short_plan(attempt['plan'])}] {_how_it_ended(outcome)}")
         if attempt["rung"] or attempt["reason"]:
             print(f"    why: {attempt['rung'] or 'retry'}: {attempt['reason']}")
         _print_runner_record(outcome)
     if record["report"]:
         print(record["report"])
     return EXIT_OK
+
+
+def _how_it_ended(outcome: dict[str, Any]) -> str:
+    """An attempt's end for `show`: how and at which step, and what a failed one died of."""
+    from oomguard.strategies.outcome import Outcome
+
+    if not outcome:
+        return "running"
+    ended = f"{outcome.get('kind')} at step {outcome.get('step')}"
+    if outcome.get("kind") in ("crashed", "host_oom", "diverged"):
+        summary = Outcome.from_dict(outcome).summary
+        ended += f": {summary}" if summary else ""
+    return ended
 
 
 def _print_runner_record(outcome: dict[str, Any]) -> None:
@@ -349,28 +384,42 @@ def _print_runner_record(outcome: dict[str, Any]) -> None:
 def cmd_logs(args: argparse.Namespace) -> int:
     _, store = open_store(args.state_dir)
     job = find_job(store, args.job)
-    printed: dict[str, int] = {}
+    # Per attempt log: how much of it is printed, and a decoder that keeps a character split
+    # between two reads whole.
+    printed: dict[str, tuple[int, codecs.IncrementalDecoder]] = {}
     while True:
         for attempt in store.attempts(job["id"]):
-            log = Path(attempt["directory"]) / LOG
-            if attempt["directory"] not in printed:
+            directory = attempt["directory"]
+            if directory not in printed:
                 print(f"== attempt {attempt['number']} ({_short_plan(json.loads(attempt['plan']))}) ==", flush=True)
-                printed[attempt["directory"]] = 0
+                printed[directory] = (0, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+            offset, decoder = printed[directory]
             try:
-                with log.open("rb") as f:
-                    f.seek(printed[attempt["directory"]])
-                    chunk = f.read()
-            except FileNotFoundError:
-                chunk = b""  # the attempt has not started writing yet
+                printed[directory] = (_print_log_from(Path(directory) / LOG, offset, decoder), decoder)
             except PermissionError:
-                raise CliError(f"cannot read {log}: it belongs to {job['owner']}, whose job it is; ask them, or run it as root", EXIT_FAILED) from None
-            if chunk:
-                sys.stdout.write(chunk.decode("utf-8", errors="replace"))
-                sys.stdout.flush()
-                printed[attempt["directory"]] += len(chunk)
+                raise CliError(f"cannot read {Path(directory) / LOG}: it belongs to {job['owner']}, whose job it is; ask them, or run it as root", EXIT_FAILED) from None
         if not args.follow or store.job(job["id"])["state"] in TERMINAL_STATES:
             return EXIT_OK
         time.sleep(0.5)
+
+
+# `logs` copies a log a block at a time: a log of gigabytes is never held in memory, and a
+# reader that went away is noticed at the next block.
+LOG_BLOCK_BYTES = 1 << 16
+
+
+def _print_log_from(log: Path, offset: int, decoder: codecs.IncrementalDecoder) -> int:
+    """Print ``log`` from byte ``offset`` to its current end; returns the new end."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            for block in iter(lambda: f.read(LOG_BLOCK_BYTES), b""):
+                sys.stdout.write(decoder.decode(block))
+                sys.stdout.flush()
+                offset += len(block)
+    except FileNotFoundError:
+        pass  # the attempt has not started writing yet
+    return offset
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -407,7 +456,7 @@ DIAGNOSE_ACTIONS = {
     "host_oom": "nothing on the ladder: host RAM ran out, not the GPU; it retries the attempt as a crash (fewer data-loader "
     "workers or less host-side caching, or more RAM, is the fix)",
     "not_oom": "nothing on the ladder: this is not an out-of-memory error; it retries the same plan (ladder.crash_retries) "
-    "and then gives up with a report",
+    "and then gives up with a report; the same error at the same step twice ends the job at once",
 }
 
 
@@ -540,12 +589,12 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     spool.start()
     systemd = SystemdNotifier()
     mode = "system mode: jobs run as their owners" if system_mode() else f"user mode: jobs run as {current_user()}"
-    if monitor is not None:
-        print(f"GPUs: {monitor.source.description}", flush=True)
-    print(f"oomguard daemon {os.getpid()} watching {state.inbox} ({mode})", flush=True)
-    systemd.ready(f"watching {state.inbox}")
     stopping_said = False
-    try:
+    try:  # from here on, whatever ends the daemon (a reader of its output gone too) goes through finally
+        if monitor is not None:
+            print(f"GPUs: {monitor.source.description}", flush=True)
+        print(f"oomguard daemon {os.getpid()} watching {state.inbox} ({mode})", flush=True)
+        systemd.ready(f"watching {state.inbox}")
         while not supervisor.stopped():
             supervisor.tick()
             systemd.tick()
@@ -565,6 +614,21 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         lock.file.close()
     print("oomguard daemon stopped", flush=True)
     return EXIT_OK
+
+
+def progress_line(heartbeat: dict[str, Any]) -> str:
+    """A heartbeat in one line; a command job's script may not show its loss, and its first step
+    in a process has no speed yet."""
+    from oomguard.strategies.outcome import format_bytes
+
+    parts = [f"step {heartbeat.get('step')}/{heartbeat.get('max_steps')}"]
+    if isinstance(heartbeat.get("loss"), (int, float)):
+        parts.append(f"loss {heartbeat['loss']:.4f}")
+    if isinstance(heartbeat.get("samples_per_s"), (int, float)):
+        parts.append(f"{heartbeat['samples_per_s']:.1f} samples/s")
+    if isinstance(heartbeat.get("peak_bytes"), int):
+        parts.append(f"peak {format_bytes(heartbeat['peak_bytes'])}")
+    return "  ".join(parts)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -600,7 +664,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             heartbeat = latest_heartbeat(store, job_id)
             if heartbeat and heartbeat["step"] != last_step and store.job(job_id)["state"] == "running":
                 last_step = heartbeat["step"]
-                print(f"    step {heartbeat['step']}/{heartbeat['max_steps']}  loss {heartbeat['loss']:.4f}  {heartbeat['samples_per_s']:.1f} samples/s", flush=True)
+                print(f"    {progress_line(heartbeat)}", flush=True)
             last_progress = time.monotonic()
         time.sleep(0.2)
     job = store.job(job_id)
@@ -712,11 +776,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _run_command(argv)
+    except BrokenPipeError:
+        # The reader of its output went away (`oomguard logs 1 | head`): end quietly, as a
+        # program stopped by SIGPIPE does, instead of with a traceback. `daemon` and `run` too:
+        # their attempts run in sessions of their own and are adopted by the next daemon (or
+        # `run` of the same job), as after any other stop; and the supervisor's own error
+        # handling prints, so a broken pipe inside its loop ends up here, never against a job.
+        stdout_to_devnull()
+        return EXIT_READER_GONE
+
+
+def _run_command(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.state_dir is None:
         args.state_dir = default_state_dir()
     try:
-        return int(args.handler(args))
+        code = int(args.handler(args))
+        # Written out here, where a reader gone is still an error main() handles, rather than
+        # at the interpreter's exit.
+        sys.stdout.flush()
+        return code
     except CliError as error:
         print(f"oomguard: {error}", file=sys.stderr)
         return error.code

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, OUTCOME, read_json
-from oomguard.strategies.outcome import format_bytes
+from oomguard.strategies.outcome import Outcome, format_bytes
 from oomguard.strategies.plan import Plan
 
 # The figure's size: 14 x 9 inches at 100 dpi.
@@ -70,6 +70,7 @@ class AttemptSeries:
     points: tuple[StepPoint, ...] = ()
     skipped_lines: int = 0  # metrics lines that could not be read (a truncated last line)
     note: str | None = None  # why there is nothing (or little) to draw for it
+    error: str | None = None  # what a failed attempt died of (a crash: its exception line)
 
     @property
     def plans(self) -> tuple[str, ...]:
@@ -136,7 +137,11 @@ class ReportData:
 
     @property
     def notes(self) -> tuple[str, ...]:
-        return tuple(f"attempt {a.number}: {a.note}" for a in self.attempts if a.note)
+        notes = []
+        for a in self.attempts:
+            notes += [f"attempt {a.number}: {a.note}"] if a.note else []
+            notes += [f"attempt {a.number} {a.outcome_kind}: {a.error}"] if a.error else []
+        return tuple(notes)
 
 
 # Loading ------------------------------------------------------------------------------------
@@ -216,6 +221,7 @@ def _load_attempt(row: dict[str, Any]) -> tuple[AttemptSeries, dict[str, Any] | 
         what = f"{skipped} unreadable metrics line{'s' if skipped > 1 else ''} skipped"
         note = f"{note}; {what}" if note else what
     attempt = AttemptSeries(
+        error=_error_of(kind, outcome),
         number=int(row["number"]),
         plan=_plan_text(row.get("plan")),
         started_at=started,
@@ -227,6 +233,16 @@ def _load_attempt(row: dict[str, Any]) -> tuple[AttemptSeries, dict[str, Any] | 
         note=note,
     )
     return attempt, outcome, recoveries
+
+
+def _error_of(kind: str | None, outcome: dict[str, Any] | None) -> str | None:
+    """What an attempt that failed (not of device memory, which the OOM marks show) died of."""
+    if kind not in ("crashed", "host_oom", "diverged") or not outcome:
+        return None
+    try:
+        return _shorten(Outcome.from_dict(outcome).summary, 160) or None
+    except (TypeError, ValueError, AttributeError):  # an outcome of the wrong shape: nothing to quote
+        return None
 
 
 def _read_metrics(path: Path) -> tuple[list[StepPoint], int]:

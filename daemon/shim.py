@@ -1,9 +1,10 @@
-"""The attempt shim: ``python -m oomguard.daemon.shim ATTEMPT_DIR -- COMMAND...``.
+"""The attempt shim: ``python -m oomguard.daemon.shim ATTEMPT_DIR [--cwd DIR] -- COMMAND...``.
 
 The daemon starts one per attempt, in a session of its own and (in system mode) as the job's
 owner. The shim writes the attempt's configuration (given on its standard input) into the
-attempt directory, starts COMMAND (the runner, or a user's command) with its output going to
-the job log, waits for it, and records how it ended in ``exit.json``. The attempt therefore
+attempt directory, starts COMMAND (the runner, or a user's command; in DIR, a command job's
+[command] cwd, entered as the owner) with its output going to the job log, waits for it, and
+records how it ended in ``exit.json``. The attempt therefore
 does not depend on the daemon: a daemon that is restarted, upgraded or killed finds the exit
 status there, or adopts the shim while it still runs (by pid and start time).
 
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from oomguard.daemon import kernel_oom, processes
-from oomguard.jobs.attempt import CONFIG, HEARTBEAT, LOG, METRICS, OUTCOME, write_json_atomic
+from oomguard.jobs.attempt import CONFIG, HEARTBEAT, LOG, METRICS, OUTCOME, SCHEDULES, write_json_atomic
 from oomguard.jobs.bootstrap import oomguard_ranks
 
 EXIT_STATUS = "exit.json"
@@ -53,15 +54,17 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) < 3 or args[1] != "--":
-        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR -- COMMAND [ARG...]", file=sys.stderr)
+    cwd = args[2] if len(args) > 2 and args[1] == "--cwd" else None
+    separator = 3 if cwd is not None else 1
+    if len(args) < separator + 2 or args[separator] != "--":
+        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--cwd DIR] -- COMMAND [ARG...]", file=sys.stderr)
         return 2
-    attempt_dir, command = Path(args[0]), args[2:]
+    attempt_dir, command = Path(args[0]), args[separator + 1:]
     config = sys.stdin.read()
     attempt_dir.mkdir(parents=True, exist_ok=True)
     # A workdir used before (a job submitted again) may hold an earlier attempt's files here:
     # whatever the daemon reads next must be this attempt's.
-    for stale in (OUTCOME, HEARTBEAT, METRICS, EXIT_STATUS):
+    for stale in (OUTCOME, HEARTBEAT, METRICS, SCHEDULES, EXIT_STATUS):
         (attempt_dir / stale).unlink(missing_ok=True)
     for stale_mark in attempt_dir.glob(f"{oomguard_ranks.MARK_PREFIX}*"):
         stale_mark.unlink(missing_ok=True)
@@ -90,9 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         try:
             child = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment, preexec_fn=kernel_oom.prefer_me,
+                cwd=cwd,
             )
         except OSError as error:
-            log.write(f"oomguard: cannot start {command[0]}: {error.strerror}\n".encode())
+            where = f" in its [command] cwd {cwd}" if cwd is not None and error.filename == cwd else ""
+            # The error's own line last, shaped as Python prints it: what the attempt is summed
+            # up by (Outcome.summary), naming the missing program or folder.
+            log.write(f"oomguard: cannot start {command[0]}{where}: {error.strerror}\n{type(error).__name__}: {error}\n".encode())
             write_json_atomic(attempt_dir / EXIT_STATUS, {"returncode": 127, "ended_at": time.time(), "error": str(error)})
             return 127
         status: dict[str, Any] = {}

@@ -104,9 +104,9 @@ def request_text(action: str, job: str) -> str:
     return json.dumps({"action": action, "job": job})
 
 
-def parse_spooled(path: Path, display_name: str | None = None, text: str | None = None) -> JobSpec:
+def parse_spooled(path: Path, display_name: str | None = None, text: str | None = None, *, check_files: bool = True) -> JobSpec:
     """Validate an inbox file (or its ``text``, read already); errors name the job by
-    ``display_name`` (the user's file name)."""
+    ``display_name`` (the user's file name). ``check_files``: also look at the paths it names."""
     if text is None:
         try:
             text = path.read_text(encoding="utf-8")
@@ -124,7 +124,7 @@ def parse_spooled(path: Path, display_name: str | None = None, text: str | None 
                 display_name or path.name, None,
                 f"its first line {first_line[:200]!r} must name an absolute folder (`oomguard submit` writes it); remove the line",
             )
-    return parse_job_text(text, display_name or path.name, base_dir=base_dir)
+    return parse_job_text(text, display_name or path.name, base_dir=base_dir, check_files=check_files)
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ class Spool:
                 return self.reject(path, f"{path.name}: {problem}")
             return Request(requester=owner, action=action, job=job, spool_file=path.name)
         try:
-            spec = parse_spooled(path, text=text)
+            spec = parse_spooled(path, text=text, check_files=_may_look_at_paths_for(owner))
         except JobFileError as error:
             return self.reject(path, str(error))
         return Arrival(spec=spec, owner=owner, spool_file=path.name)
@@ -317,6 +317,18 @@ class Spool:
         error_file = destination.with_name(destination.name + ".error")
         error_file.write_text(error + "\n", encoding="utf-8", errors="backslashreplace")
         return Rejection(file=path.name, error=error)
+
+
+def _may_look_at_paths_for(owner: Account) -> bool:
+    """Whether the daemon checks the paths a job file names (its data folder; the command's
+    folder, program and script) before it queues the job: only for a job of its own user.
+
+    Run as root (system mode), the daemon sees every path; another user does not. Refusing or
+    queueing their file for a path they could not look at themselves would tell them whether it
+    exists. `oomguard submit` has checked those paths as that user, which is where a mistyped
+    path is caught; a path that is wrong by the time an attempt starts fails the attempt, which
+    runs as the owner, with its error quoted (and the same error twice ends the job)."""
+    return owner.uid == os.geteuid()
 
 
 def _encodable(text: str) -> bool:

@@ -32,9 +32,10 @@ from oomguard.daemon.spool import Arrival, Request, Spool
 from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
 from oomguard.daemon.users import Account, PermissionRefused, check_may_change, child_environment, make_user_directory, spawn_options, system_mode
 from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, open_regular, read_json
-from oomguard.jobs.command import BOOTSTRAP_DIR, last_step_count, render
+from oomguard.jobs.command import ATTEMPT_ENV, BOOTSTRAP_DIR, last_step_count, render
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV
+from oomguard.jobs.script_report import ScriptReport, first_schedules, read_script_report
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import ladder
 from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
@@ -49,8 +50,17 @@ if TYPE_CHECKING:
 # A runner asked to stop (SIGTERM) checkpoints first; after this long it is killed.
 STOP_GRACE_SECONDS = 120.0
 
-# How much of a silent runner's output.log is read for the error it died of.
+# How much of a silent runner's output.log is read for the error it died of, and how much of
+# that end is kept in its outcome (traceback_tail: where the error it is summed up by is read).
 OUTPUT_TAIL_BYTES = 256 * 1024
+TRACEBACK_TAIL_CHARS = 4000
+
+# What a relaunch with other knobs keeps for a command job: the script draws its own noise per
+# micro-batch, so its weights are not checked, only its schedule (jobs/script_report.py).
+COMMAND_SPLIT_KEEPS = (
+    "relaunched under other plans, it kept the same schedule (optimizer steps, effective batch, samples, learning "
+    "rate), not bitwise-equal weights: a script draws its noise per micro-batch"
+)
 
 # An attempt without a new heartbeat for this long is reported as stalled (once).
 STALL_SECONDS = 1800.0
@@ -72,6 +82,7 @@ class _Running:
 
 def outcome_without_report(
     attempt_dir: Path, returncode: int | None, failed_process: dict[str, Any] | None = None, oom_kills: int | None = None,
+    plan: Plan | None = None,
 ) -> Outcome:
     """How an attempt ended whose runner wrote no outcome.json (killed, died hard, or a user
     command that does not report): an OOM its output shows (a CUDA OOM it printed, the kernel's
@@ -80,7 +91,8 @@ def outcome_without_report(
     died of an OOM, that error is the cause, whatever the other ranks printed as they were
     stopped after it. ``oom_kills`` is how many processes the kernel's OOM killer ended while
     the attempt ran (exit.json, daemon/kernel_oom.py): a failed attempt during which it struck
-    ran out of host memory, even though a SIGKILL leaves no message."""
+    ran out of host memory, even though a SIGKILL leaves no message. ``plan``: the attempt's,
+    for what a command job's script reported through the bootstrap (jobs/script_report.py)."""
     if returncode is None:
         fallback = Outcome(kind="crashed", message="the attempt was killed with its shim (no exit status recorded), without reporting")
     else:
@@ -94,21 +106,33 @@ def outcome_without_report(
     cause = failed_process.get("error") if failed_process else None
     if isinstance(cause, str) and read_oom(cause).kind != "not_oom":
         verdict = read_oom(cause)
-    # A script's own progress line says how far it got (its checkpoints are its own).
-    step = last_step_count(text) or 0
+    # How far it got: the steps the bootstrap reported, else the script's own progress line.
+    script = read_script_report(attempt_dir, plan) if plan is not None else ScriptReport()
+    step = script.step if script.step is not None else last_step_count(text) or 0
+    measured = (script.measurement,) if script.measurement is not None else ()
+    fallback = dataclasses.replace(fallback, resumed_from=script.resumed_from, measurements=measured)
     if verdict.is_device_oom:
-        return Outcome(kind="oom", step=step, memory=verdict.memory_figures(), message=verdict.message, exit_code=fallback.exit_code)
+        figures = verdict.memory_figures()
+        return dataclasses.replace(
+            fallback, kind="oom", step=step, memory=figures, message=verdict.message,
+            measurements=measured + ((figures.measurement(plan, step),) if plan is not None else ()),
+        )
+    if fallback.kind == "finished":
+        return dataclasses.replace(fallback, step=step, message="the command exited with code 0" + (f" at optimizer step {step}" if step else ""))
     if oom_kills and returncode not in (None, 0) and fallback.kind == "crashed":
-        return Outcome(
-            kind="host_oom", step=step, exit_code=fallback.exit_code, traceback_tail=verdict.message,
+        return dataclasses.replace(
+            fallback, kind="host_oom", step=step, traceback_tail=verdict.message,
             message=f"the kernel's OOM killer ended a process of the attempt: host memory (RAM) ran out ({oom_kills} OOM "
             "kill(s) on this machine while it ran, /proc/vmstat oom_kill; `dmesg | grep -i oom` names the process)",
         )
     if verdict.kind == "host_oom":
-        return Outcome(kind="host_oom", step=step, message=verdict.reason, traceback_tail=verdict.message, exit_code=fallback.exit_code)
+        return dataclasses.replace(fallback, kind="host_oom", step=step, message=verdict.reason, traceback_tail=verdict.message)
     if not text:
         return fallback
-    return dataclasses.replace(fallback, step=step, traceback_tail=verdict.message)
+    # What the attempt died of is the exception line of this tail (Outcome.summary); the first
+    # process that recorded its own death (a rank) names it before the ranks stopped after it.
+    message = cause if isinstance(cause, str) else fallback.message
+    return dataclasses.replace(fallback, step=step, message=message, traceback_tail=text[-TRACEBACK_TAIL_CHARS:])
 
 
 def _past_attempt(attempt: dict[str, Any]) -> PastAttempt:
@@ -538,35 +562,44 @@ class Supervisor:
                 waiting_since=None,
             )
         runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
-        cwd = workdir
+        shim_options: list[str] = []
         if spec.command is not None:
             # The user's own script, with the plan's knobs in its arguments; it reports nothing
             # itself: the shim's exit.json and the log's last error say how it ended.
             runner, extra_env = render(spec.command, plan, workdir, number)
             env.update(extra_env)
-            cwd = Path(spec.command.cwd) if spec.command.cwd else workdir
+            if spec.command.cwd:
+                # Entered by the shim, as the job's owner: the daemon (root, in system mode)
+                # must not enter a folder for them that they may not, nor tell them, by failing
+                # here or not, whether a folder exists that they cannot see.
+                shim_options = ["--cwd", spec.command.cwd]
             # The script's Python processes, unchanged, load jobs/bootstrap/sitecustomize.py:
             # a process that dies of an OOM (or a rank that dies) says so for the shim to end
             # the attempt's other processes, and under emulation its tensors count against
             # the emulated capacity.
             if job["emulate_device_memory"]:
                 env[EMULATE_DEVICE_MEMORY_ENV] = job["emulate_device_memory"]
+            # What the bootstrap's step reports carry (jobs/bootstrap/oomguard_progress.py).
+            earlier = [_attempt_files(a) for a in self.store.attempts(job["id"])]
+            env[ATTEMPT_ENV] = json.dumps({
+                "plan": plan.short(), "max_steps": spec.train.max_steps, "batch_size": plan.batch_size, "first_schedules": first_schedules(earlier),
+            })
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), env.get("PYTHONPATH", "")]))
         # The shim (as the owner, in a session of its own) writes attempt.json from its
         # standard input, runs the runner and records its exit status for any daemon to read.
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "oomguard.daemon.shim", str(attempt_dir), "--", *runner],
+                [sys.executable, "-m", "oomguard.daemon.shim", str(attempt_dir), *shim_options, "--", *runner],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 env=env,
-                cwd=cwd,
+                cwd=workdir,
                 start_new_session=True,
                 **credentials,
             )
         except OSError as error:
-            outcome = Outcome(kind="crashed", message=f"cannot start the attempt in {workdir}: {error.strerror or error}")
+            outcome = Outcome(kind="crashed", message=f"cannot start the attempt in its workdir {workdir}: {error.strerror or error}")
             with self.store.atomic():
                 self.store.update_attempt(attempt_id, ended_at=time.time(), outcome_kind=outcome.kind, outcome=json.dumps(outcome.to_dict()))
                 self._end_job(
@@ -710,7 +743,8 @@ class Supervisor:
             # machine restarted under it: not the job's fault, and no crash retry is used up.
             outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
         if outcome is None:
-            outcome = outcome_without_report(_attempt_files(attempt), returncode, failed_process, oom_kills)
+            plan = Plan.from_dict(json.loads(attempt["plan"]))
+            outcome = outcome_without_report(_attempt_files(attempt), returncode, failed_process, oom_kills, plan)
         if outcome.kind == "cancelled":
             outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
         # How the attempt ended and what the job does next are one change: a daemon that dies
@@ -728,16 +762,32 @@ class Supervisor:
             summary = f"attempt {attempt['number']} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
             if outcome.kind == "oom" and outcome.phase:
                 summary += f" in {outcome.phase}"
+            elif outcome.kind in ("crashed", "host_oom", "diverged") and outcome.summary:
+                summary += f": {outcome.summary}"
             self._report_recoveries(attempt, list(outcome.recoveries))
             self.event(job, "attempt-ended", summary)
             self._next_step(job, outcome)
+
+    def _end_command_job(self, job: dict[str, Any]) -> None:
+        """A finished command job, checked against its target (the steps of its job file, the
+        learning rate its first attempt's schedule ends at), with what its relaunches kept."""
+        spec = self._spec(job)
+        attempts = self.store.attempts(job["id"])
+        last = attempts[-1]
+        end = read_script_report(_attempt_files(last), Plan.from_dict(json.loads(last["plan"]))).end_state(spec.train.max_steps)
+        result = f"the command exited with code 0; {end.describe()}"
+        if len({a["plan"] for a in attempts}) > 1:
+            result += f"; {COMMAND_SPLIT_KEEPS}"
+        next_step = "nothing: the script has written its results"
+        if end.differences:
+            next_step = f"check the script's results: it did not end where the job file says (`oomguard show {job['id']}`)"
+        self._end_job(job, "finished", result, next_step=next_step)
 
     def _next_step(self, job: dict[str, Any], outcome: Outcome) -> None:
         spec = self._spec(job)
         if outcome.kind == "finished":
             if spec.command is not None:
-                steps = f" after step {outcome.step}" if outcome.step else ""
-                self._end_job(job, "finished", f"the command exited with code 0{steps}", next_step="nothing: the script has written its results")
+                self._end_command_job(job)
                 return
             final = Path(job["workdir"]) / "final"
             self._end_job(job, "finished", f"finished {outcome.step} steps; final model in {final}", next_step=f"nothing: the final model is in {final}")
@@ -774,13 +824,14 @@ class Supervisor:
             waiting = None
             if decision.after_seconds > 0:
                 self._not_before[job["id"]] = time.monotonic() + decision.after_seconds
-                waiting = f"retrying {decision.after_seconds:.0f} s after the attempt ended ({outcome.kind})"
+                ended = f"{outcome.kind}: {outcome.summary}" if outcome.summary else outcome.kind
+                waiting = f"retrying {decision.after_seconds:.0f} s after the attempt ended ({ended})"
             self.store.update_job(job["id"], state="queued", next_rung=None, next_reason=decision.reason, waiting=waiting)
             self.event(job, "retry", decision.reason)
         elif isinstance(decision, GiveUp):
             self._end_job(
                 job, "failed", decision.reason, report=decision.report,
-                next_step=f"nothing more: the job has ended; `oomguard show {job['id']}` has the report; change the job file (e.g. allow the rungs it names) and submit it again",
+                next_step=f"nothing more: the job has ended; `oomguard show {job['id']}` has the report; {decision.next_step}",
             )
 
     def _report_live_recoveries(self, attempt: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ runner (writer of the rest). No torch here: the daemon imports it.
     heartbeat.json  the latest step, loss, samples/s and memory, rewritten about once a second
     metrics.jsonl   one line per optimizer step
     output.log      the runner's stdout and stderr
+    schedules.json  a command job's learning-rate schedules (jobs/bootstrap/oomguard_accelerate.py)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ OUTCOME = "outcome.json"
 HEARTBEAT = "heartbeat.json"
 METRICS = "metrics.jsonl"
 LOG = "output.log"
+SCHEDULES = "schedules.json"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,8 @@ from oomguard.strategies.plan import Plan
 
 # Put first on a command job's PYTHONPATH when its device memory is emulated (script_memory.py).
 BOOTSTRAP_DIR = Path(__file__).parent / "bootstrap"
+# The attempt as the bootstrap's step reports need it, JSON (jobs/bootstrap/oomguard_progress.py).
+ATTEMPT_ENV = "OOMGUARD_ATTEMPT"
 
 # What a placeholder may name, and what it becomes for a plan.
 PLACEHOLDERS: dict[str, str] = {
@@ -202,6 +204,58 @@ def render(command: CommandSpec, plan: Plan, workdir: Path, attempt: int) -> tup
             argv.extend(argument.format_map(known) for argument in arguments)
     env = {name: value.format_map(known) for name, value in command.env}
     return argv, env
+
+
+# Programs that run a Python script named among their arguments: an interpreter (python,
+# python3, python3.11, by any path), and the launchers in front of a training script.
+_PYTHON = re.compile(r"python(?:\d+(?:\.\d+)*)?")
+_LAUNCHERS = ("torchrun", "deepspeed")
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch", "accelerate.commands.launch")
+# The interpreter's options that take the next argument as their value.
+_PYTHON_VALUE_OPTIONS = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def script_argument(argv: Sequence[str]) -> str | None:
+    """The training script ``argv`` runs, as written: the first argument ending in .py after a
+    Python interpreter or a launcher (``accelerate launch``, ``torchrun``, ``deepspeed``,
+    ``python -m torch.distributed.run``), options skipped. None when it names none that way:
+    ``python -c``, a module (``python -m pkg``, ``torchrun -m pkg``) or a program of its own."""
+    program, arguments = Path(argv[0]).name, list(argv[1:])
+    if _PYTHON.fullmatch(program):
+        return _script_after_interpreter(arguments)
+    if program == "accelerate" and arguments[:1] == ["launch"]:
+        return _script_after_launcher(arguments[1:])
+    if program in _LAUNCHERS:
+        return _script_after_launcher(arguments)
+    return None
+
+
+def _script_after_interpreter(arguments: list[str]) -> str | None:
+    """Python runs its first argument that is not one of its own options."""
+    index = 0
+    while index < len(arguments):
+        argument = arguments[index]
+        if argument in ("-m", "-c"):
+            module = arguments[index + 1] if argument == "-m" and index + 1 < len(arguments) else None
+            return _script_after_launcher(arguments[index + 2:]) if module in _LAUNCHER_MODULES else None
+        if argument in _PYTHON_VALUE_OPTIONS:
+            index += 2
+        elif argument.startswith("-"):
+            index += 1
+        else:
+            return argument if argument.endswith(".py") else None
+    return None
+
+
+def _script_after_launcher(arguments: list[str]) -> str | None:
+    """A launcher's options come first; their values are not scripts (a config file is .yaml or
+    .json), so its first argument ending in .py is the script, unless it runs a module."""
+    for argument in arguments:
+        if argument in ("-m", "--module"):
+            return None
+        if argument.endswith(".py") and not argument.startswith("-"):
+            return argument
+    return None
 
 
 # The progress lines of diffusers' example scripts: tqdm's "Steps:  45%|####5     | 9/20 [...]"

@@ -192,9 +192,11 @@ class EmulatedDevice:
         # keeps one Python object per live storage (all tensors viewing it return the
         # same one), so the id is stable while it lives and the weak reference dies
         # exactly when the storage is freed.
-        self._tracked: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self._tracked: dict[int, tuple[weakref.ref[torch.UntypedStorage], int, int]] = {}
+        # Storages counted since the last mark() carry this generation (mark() and held_before_mark()).
         self._live = 0
         self._peak = 0
+        self._generation = 0
         self._oom_count = 0
         self._paused = 0
         self._mode: _CapacityMode | None = None
@@ -228,6 +230,17 @@ class EmulatedDevice:
 
     def reset_peak(self) -> None:
         self._peak = self._live
+
+    def mark(self) -> None:
+        """Begin a new generation: storages counted from now on are younger than the mark."""
+        self._generation += 1
+
+    def held_before_mark(self) -> int:
+        """Live bytes of the storages counted before the last :meth:`mark`: at a step's end,
+        what outlived the step (weights, optimizer state) and not what the step made and its
+        caller still holds (the last micro-batch's outputs)."""
+        generation = self._generation
+        return sum(entry[1] for entry in list(self._tracked.values()) if entry[2] < generation)
 
     def track(self, tensors: Iterable[torch.Tensor | None]) -> int:
         """Count storages that exist already; returns the bytes newly counted.
@@ -293,7 +306,7 @@ class EmulatedDevice:
 
     def _add(self, st: torch.UntypedStorage, nbytes: int) -> None:
         key = id(st)
-        self._tracked[key] = (weakref.ref(st, partial(self._release, key)), nbytes)
+        self._tracked[key] = (weakref.ref(st, partial(self._release, key)), nbytes, self._generation)
         # A single augmented assignment: a weakref callback (which runs on any decref
         # of a storage) cannot interleave and lose its decrement.
         self._live += nbytes
@@ -349,7 +362,7 @@ class EmulatedDevice:
             capacity = self._capacity
             if growth > 0 and capacity is not None and self._live + growth > capacity:
                 self._refuse(growth, capacity)
-            self._tracked[id(st)] = (entry[0], nbytes)
+            self._tracked[id(st)] = (entry[0], nbytes, entry[2])
             self._live += growth
             if self._live > self._peak:
                 self._peak = self._live
@@ -397,7 +410,7 @@ class EmulatedDevice:
                 claimed.add(key)
                 total += entry[1]
             breakdown[name] = breakdown.get(name, 0) + total
-        rest = sum(nbytes for key, (_, nbytes) in tracked.items() if key not in claimed)
+        rest = sum(entry[1] for key, entry in tracked.items() if key not in claimed)
         breakdown[ACTIVATIONS] = breakdown.get(ACTIVATIONS, 0) + rest
         return breakdown
 

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 
 from oomguard.jobs.attempt import OUTCOME, AttemptConfig, Control, write_json_atomic
+from oomguard.jobs.bootstrap.oomguard_noise import quiet_optional_kernel_warnings
 from oomguard.strategies.outcome import (
     EXIT_CRASHED,
     EXIT_DIVERGED,
@@ -62,10 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
 
-    # bitsandbytes (the 8-bit optimizer and quantized base) logs a warning on import when an
-    # optional faster 4-bit CPU kernel is not installed; it works without it, and the warning
-    # would otherwise open every job log.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    quiet_optional_kernel_warnings()
     _without_unused_diffusers_integrations()
     # Imported after the cheap checks: torch takes seconds to import.
     from oomguard.jobs.loop import train

@@ -1,21 +1,20 @@
 """Emulated device memory inside a user's script, without changing the script.
 
 A command job's Python processes start with jobs/bootstrap/ first on PYTHONPATH; its
-sitecustomize calls :func:`install_when_torch_loads` when a capacity is set. The first
-``import torch`` of the script then also enters an :class:`EmulatedDevice` for the main
-thread, so the script's tensors count against the capacity and running out raises PyTorch's
+sitecustomize calls :func:`install_when_torch_loads` when a capacity is set. Torch's loading,
+however the script or a library first finds it (jobs/bootstrap/oomguard_imports.py), then
+also enters an :class:`EmulatedDevice` for the main thread, so the script's tensors (and the
+weights it sends to its device) count against the capacity and running out raises PyTorch's
 own ``torch.OutOfMemoryError`` with the CUDA allocator's wording, which the daemon reads from
 the log as it reads a real one. Nothing of torch is imported before the script imports it.
 
-The capacity follows the job's schedule (``64MiB,3MiB@5``) counted in optimizer steps *of this
-process* (a global optimizer-step hook counts them: the script's own step numbering is not
-known here), within the emulated GPU's room when the process starts.
+The capacity follows the job's schedule (``64MiB,3MiB@5``) counted in the job's optimizer
+steps, across attempts: the bootstrap's step reports (oomguard_progress.py) start from the step
+the script resumed from. Within the emulated GPU's room when the process starts.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import threading
@@ -41,7 +40,7 @@ def capacity_from_environment(steps_done: int = 0) -> int | None:
 
 
 def enter_emulated_device(capacity: int) -> None:
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+    import oomguard_progress
 
     from oomguard.jobs.device_memory import EmulatedDevice
 
@@ -49,53 +48,26 @@ def enter_emulated_device(capacity: int) -> None:
     device = EmulatedDevice(capacity=capacity, device_index=gpu.index if gpu else 0, count_moves=True)
     device.__enter__()
     _DEVICE.append(device)
-    steps = [0]
+    oomguard_progress.device_memory = device
 
-    def after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-        steps[0] += 1
-        device.capacity = capacity_from_environment(steps[0])
+    def at_step(step: int) -> None:
+        device.capacity = capacity_from_environment(step)
 
     schedule = _schedule()
     if schedule is not None and len(schedule.entries) > 1:  # the capacity changes at some step
-        register_optimizer_step_post_hook(after_step)
+        oomguard_progress.on_step(at_step)
 
 
-class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps torch's own loader so that the device is entered once
-    torch has finished loading.
-
-    It stays first on sys.meta_path until torch has really been executed: libraries probe
-    for torch with ``importlib.util.find_spec("torch")`` before (or instead of) importing it
-    (datasets, transformers, accelerate's ``is_*_available``), and every spec it hands out
-    carries the wrapped loader, so torch loaded through any of them, by ``import`` or by
-    ``module_from_spec`` and ``exec_module``, enters the device."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name != "torch":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original = loader.exec_module  # type: ignore[attr-defined]
-
-        def exec_module(module: Any) -> None:
-            original(module)
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-            if threading.current_thread() is not threading.main_thread():
-                # A dispatch mode is entered per thread: entered here, it would leave the
-                # script's main thread (where it trains) unguarded.
-                refuse(f"torch was first imported in thread {threading.current_thread().name!r}, not the main "
-                       "thread; import torch in the main thread first (e.g. at the top of the script)")
-            enter_emulated_device(self.capacity)
-
-        # PathFinder makes a new loader for every spec: wrapping it touches no one else's.
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+def _on_torch_loaded(capacity: int) -> None:
+    if threading.current_thread() is not threading.main_thread():
+        # A dispatch mode is entered per thread: entered here, it would leave the script's
+        # main thread (where it trains) unguarded.
+        refuse(f"torch was first imported in thread {threading.current_thread().name!r}, not the main "
+               "thread; import torch in the main thread first (e.g. at the top of the script)")
+    try:
+        enter_emulated_device(capacity)
+    except Exception as error:
+        refuse(f"{type(error).__name__}: {error}")
 
 
 def refuse(reason: str) -> NoReturn:
@@ -108,10 +80,9 @@ def refuse(reason: str) -> NoReturn:
 
 
 def install_when_torch_loads() -> None:
+    import oomguard_imports
+
     capacity = capacity_from_environment()
     if capacity is None:
         return
-    if "torch" in sys.modules:
-        enter_emulated_device(capacity)
-    else:
-        sys.meta_path.insert(0, _AfterTorch(capacity))
+    oomguard_imports.when_imported("torch", lambda torch: _on_torch_loaded(capacity))

@@ -36,7 +36,7 @@ import re
 import shutil
 import stat
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from oomguard.jobs.trainers import TRAINER_NAMES
 from oomguard.strategies.doctor import Policy
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
-from oomguard.jobs.command import WHEN_KNOBS, CommandError, CommandSpec, check, exposed_rungs
+from oomguard.jobs.command import WHEN_KNOBS, CommandError, CommandSpec, check, exposed_rungs, script_argument
 from oomguard.jobs.sizes import parse_size
 from oomguard.strategies.plan import MixedPrecision, Plan
 
@@ -555,13 +555,16 @@ def parse_job_text(
     text: str,
     path: str | os.PathLike[str],
     base_dir: str | os.PathLike[str] | None = None,
+    *,
+    check_files: bool = True,
 ) -> JobSpec:
     """Validate job-file text. ``path`` names the file in messages (and becomes
     ``source_path``); relative paths are resolved against ``base_dir``, by default the
-    folder of ``path``."""
+    folder of ``path``. ``check_files``: also look at the files and folders it names (the
+    data folder, the command's folder, program and script)."""
     display = os.fspath(path)
     base = Path(base_dir) if base_dir is not None else Path(display).parent
-    ctx = _Ctx(display, base.expanduser().absolute(), check_files=True)
+    ctx = _Ctx(display, base.expanduser().absolute(), check_files=check_files)
     return _parse_text(ctx, text, display)
 
 
@@ -851,7 +854,7 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
     if is_command:
         command_section = top.table("command", required=True)
         assert command_section is not None
-        command = _parse_command(ctx, command_section)
+        command = _parse_command(ctx, command_section, workdir)
         for unused in ("data", "model"):
             if unused in raw:
                 raise top.fail(unused, f"a command job reads its own data and builds its own model: remove [{unused}] (pass what the script needs in [command] argv)")
@@ -1131,7 +1134,7 @@ def _parse_notify(s: _Section) -> NotifySpec:
     return NotifySpec(urls=urls, tags=tags, events=tuple(events))
 
 
-def _parse_command(ctx: _Ctx, s: _Section) -> CommandSpec:
+def _parse_command(ctx: _Ctx, s: _Section, workdir: str | None) -> CommandSpec:
     argv = s.get("argv", None)
     if argv is None:
         raise s.fail("argv", 'required key is missing (the command as a list of arguments, e.g. ["python", "train.py", "--train_batch_size={micro_batch}"])')
@@ -1180,12 +1183,7 @@ def _parse_command(ctx: _Ctx, s: _Section) -> CommandSpec:
     except CommandError as error:
         raise s.fail(error.where, str(error)) from None
     if ctx.check_files:
-        try:
-            problem = _program_problem(argv[0], Path(cwd) if cwd else ctx.base_dir)
-        except OSError as e:  # e.g. a program path longer than the file system allows
-            problem = f"cannot look at program {_render(argv[0])}: {e.strerror or e}"
-        if problem:
-            raise s.fail("argv", problem)
+        _check_command_paths(ctx, s, command, workdir)
     return command
 
 
@@ -1217,12 +1215,79 @@ def _check_command_batch(s: _Section, train: TrainSpec, processes: int) -> None:
 
 
 
-def _program_problem(program: str, cwd: Path) -> str | None:
+def _check_command_paths(ctx: _Ctx, s: _Section, command: CommandSpec, workdir: str | None) -> None:
+    """The command can start: its folder ([command] cwd) is one, and the program and the script
+    it names are there. Relative paths are taken from the folder the command runs in: [command]
+    cwd, else the job's workdir. Who checks, and as whom: daemon/spool.py _may_look_at_paths_for."""
+    if command.cwd is not None:
+        problem = _guarded(lambda: _folder_problem(Path(command.cwd)), "folder", command.cwd)  # type: ignore[arg-type]
+        if problem:
+            raise s.fail("cwd", problem)
+    runs_in = _RunsIn(ctx.base_dir, command.cwd, workdir)
+    program, script = command.argv[0], script_argument(command.argv)
+    problem = _guarded(lambda: _program_problem(program, runs_in), "program", program)
+    if problem is None and script is not None and "{" not in script:  # a placeholder is known only when an attempt starts
+        problem = _guarded(lambda: _script_problem(script, runs_in), "script", script)
+    if problem:
+        raise s.fail("argv", problem)
+
+
+def _guarded(look: Callable[[], str | None], what: str, path: str) -> str | None:
+    """``look()``, with a path the file system refuses to look at (too long, a folder the
+    user may not search) as the problem itself."""
+    try:
+        return look()
+    except OSError as e:
+        return f"cannot look at {what} {_render(path)}: {e.strerror or e}"
+
+
+def _folder_problem(folder: Path) -> str | None:
+    fix = "set cwd to the folder your script runs in (its relative paths start there), or create it"
+    if not folder.exists():
+        return f"folder {folder} does not exist; {fix}"
+    if not folder.is_dir():
+        return f"{folder} is not a folder; {fix}"
+    return None
+
+
+@dataclass(frozen=True)
+class _RunsIn:
+    """The folder a command runs in, where the relative paths in its argv start: [command] cwd,
+    else the job's workdir; with neither, a workdir the daemon makes, empty, when it queues the job."""
+
+    job_file_folder: Path
+    cwd: str | None
+    workdir: str | None
+
+    @property
+    def folder(self) -> Path | None:
+        return Path(self.cwd or self.workdir) if (self.cwd or self.workdir) else None
+
+    @property
+    def named(self) -> str:
+        return f"[command] cwd, {self.cwd}" if self.cwd else f"the job's workdir, {self.workdir}"
+
+    def path(self, written: str) -> Path | None:
+        """Where ``written`` points; None for a relative path with no folder to start from."""
+        if Path(written).is_absolute():
+            return Path(written)
+        return self.folder / written if self.folder is not None else None
+
+    def unplaced(self, what: str, written: str) -> str:
+        """Why a relative ``written`` cannot be found, and the cwd that would place it."""
+        fix = (f'set [command] cwd = "{self.job_file_folder}" (where {written} is)' if (self.job_file_folder / written).exists()
+               else "set [command] cwd to the folder that holds it")
+        return f"{what} {written} is a relative path, but without [command] cwd the command runs in the job's workdir, an empty folder: {fix}, or give its full path"
+
+
+def _program_problem(program: str, runs_in: _RunsIn) -> str | None:
     """Why ``program`` cannot be started (checked when the job file is submitted), or None."""
     if "{" in program:
         return f"the program itself ({program!r}) cannot be a placeholder"
     if "/" in program:
-        path = Path(program) if Path(program).is_absolute() else cwd / program
+        path = runs_in.path(program)
+        if path is None:
+            return runs_in.unplaced("program", program)
         if not path.is_file():
             return f"program {program} not found ({path} does not exist)"
         if not os.access(path, os.X_OK):
@@ -1231,3 +1296,24 @@ def _program_problem(program: str, cwd: Path) -> str | None:
     if shutil.which(program) is None:
         return f"program {program!r} not found on PATH; give its full path, or install it"
     return None
+
+
+def _script_problem(script: str, runs_in: _RunsIn) -> str | None:
+    """Why the script the command runs (jobs/command.py script_argument) is not there, or None."""
+    path = runs_in.path(script)
+    if path is None:
+        return runs_in.unplaced("script", script)
+    if path.is_dir():
+        return f"script {script} is a folder, not a script file ({path}); name the script in argv"
+    if path.exists():
+        return None
+    relative = "" if Path(script).is_absolute() else f" (relative to {runs_in.named})"
+    return f"script {script} not found: {path} does not exist{relative}{_did_you_mean(path.name, _python_files(path.parent))}; fix its path in argv"
+
+
+def _python_files(folder: Path) -> list[str]:
+    """The names of the scripts in ``folder``, for a did-you-mean; none when it cannot be listed."""
+    try:
+        return [p.name for p in folder.glob("*.py")]
+    except OSError:
+        return []

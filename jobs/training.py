@@ -160,16 +160,8 @@ def _merge_adapters(trainer: Any, weights: ModelWeights) -> ModelWeights:
 
 
 def oom_measurement(plan: Plan, figures: MemoryFigures, training: Training | None, step: int) -> Measurement:
-    """An OOM as the memory model reads it: ``plan`` needed more than the bytes in use plus
-    the failed request, at the capacity of the moment."""
-    return Measurement(
-        plan=plan,
-        fits=False,
-        peak_bytes=(figures.allocated or 0) + (figures.requested or 0),
-        capacity=figures.total,
-        static=training.static_bytes() if training is not None else {},
-        step=step,
-    )
+    """An OOM of the runner, with the static bytes of its training when it had one."""
+    return figures.measurement(plan, step, training.static_bytes() if training is not None else None)
 
 
 def free(training: Training | None = None) -> None:

@@ -8,6 +8,7 @@ carries a reason in words, recorded as an event and shown to people.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,10 +92,30 @@ class Wait:
 
 @dataclass(frozen=True)
 class GiveUp:
-    """Stop: a person has to act. ``report`` says what was tried and what could be done."""
+    """Stop: a person has to act. ``report`` says what was tried and what could be done;
+    ``next_step`` what the job's owner does now."""
 
     reason: str
     report: str
+    next_step: str
+
+
+# What the ladder is for: a job that failed of anything else gets no advice about rungs.
+MEMORY_KINDS = ("oom", "host_oom")
+
+# What the job's owner does after the job failed, by how its last attempt ended.
+NEXT_STEPS = {
+    "oom": "change the job file (e.g. allow the rungs the report names) and submit it again",
+    "host_oom": "host memory (RAM) ran out: free some on the machine, or change the job file (e.g. allow the rungs the "
+    "report names), and submit it again",
+    "crashed": "fix the script and resubmit: it died of the error quoted above",
+    "diverged": "look at the job's learning rate and data, and submit it again",
+}
+NEXT_STEP_OTHERWISE = "look at the job's logs (`oomguard logs`) and submit it again"
+
+# Errors that come from the machine rather than the script (a full disk, a lost mount): they may
+# pass, so a crash with one keeps its backed-off retries even when it repeats exactly.
+MACHINE_TROUBLE = re.compile(r"No space left on device|Disk quota exceeded|Input/output error|Stale file handle|Transport endpoint is not connected")
 
 
 Decision = NextPlan | Retry | Wait | GiveUp
@@ -142,10 +163,7 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
     # Interruptions and neighbours' spikes are not the job's doing: they do not use up its tries.
     counted = [past for past in history if past.outcome.kind != "interrupted" and contention_of(past) is None]
     if len(counted) >= policy.max_attempts:
-        return GiveUp(
-            reason=f"{len(counted)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}",
-            report=report(history, policy),
-        )
+        return give_up(f"{len(counted)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}", history, policy)
     if outcome.kind == "interrupted":
         return Retry(reason="the attempt was interrupted; it continues from its checkpoint")
     if outcome.kind in ("crashed", "host_oom"):
@@ -182,7 +200,7 @@ def _after_divergence(outcome: Outcome, plan: Plan, history: Sequence[PastAttemp
     origin = _origin(plan, history, policy)
     taken = [name for name in rungs_between(origin, plan) if name in unsafe]
     if not taken:
-        return GiveUp(reason=f"{diverged}; the job's own settings diverge: look at its learning rate and data", report=report(history, policy))
+        return give_up(f"{diverged}; the job's own settings diverge: look at its learning rate and data", history, policy)
     knobs = {KNOB_OF_RUNG[name]: getattr(origin, KNOB_OF_RUNG[name]) for name in taken}
     reverted = plan.replace(**knobs)
     diagnosis = f"{diverged}; {', '.join(taken)} marked unsafe for this job"
@@ -222,9 +240,9 @@ def _after_contention(contention: Contention, outcome: Outcome, plan: Plan, hist
             break
         streak += 1
     if streak > policy.max_waits:
-        return GiveUp(
-            reason=f"other processes took the GPU's memory {streak} times in a row; free the GPU or move the job",
-            report=report(history, policy),
+        return give_up(
+            f"other processes took the GPU's memory {streak} times in a row; free the GPU or move the job", history, policy,
+            next_step="free the GPU (`oomguard gpus` shows what is on it) or move the job, and submit it again",
         )
     peak = steady_peak(outcome, plan)
     needed = max(peak or 0, contention.needed)
@@ -242,6 +260,10 @@ def _after_contention(contention: Contention, outcome: Outcome, plan: Plan, hist
 
 
 def _after_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
+    if repeats_last_crash(outcome, plan, history):
+        return give_up(
+            f"the attempt crashed twice in a row at step {outcome.step} with the same error: {outcome.error_line}", history, policy,
+        )
     # Count the crashes of this plan since its last good sign (an OOM or an interruption
     # means the crash streak of an earlier plan does not carry over).
     streak = 0
@@ -256,14 +278,29 @@ def _after_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
     if retries_used < policy.crash_retries:
         delay = min(CRASH_BACKOFF_SECONDS * 3**retries_used, CRASH_BACKOFF_MAX_SECONDS)
         return Retry(
-            reason=f"the attempt {ended} ({outcome.message.strip() or 'no message'}); "
+            reason=f"the attempt {ended} ({outcome.summary or 'no message'}); "
             f"retry {retries_used + 1} of {policy.crash_retries} with the same plan in {delay:.0f} s",
             after_seconds=delay,
         )
-    return GiveUp(
-        reason=f"the attempt {ended} {streak} times in a row with the same plan: {outcome.message.strip()}",
-        report=report(history, policy),
-    )
+    return give_up(f"the attempt {ended} {streak} times in a row with the same plan: {outcome.summary}", history, policy)
+
+
+def repeats_last_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt]) -> bool:
+    """The attempt crashed as the one before it did: the same plan, the same step (step 0 too:
+    neither got going), the same exception line. A script's own bug (a mistyped path, a missing
+    file, a wrong argument) does that at every try, so retrying it only delays the news; a
+    machine's trouble (MACHINE_TROUBLE) and a crash that names no exception keep their retries."""
+    line = outcome.error_line
+    if outcome.kind != "crashed" or line is None or MACHINE_TROUBLE.search(line) or len(history) < 2:
+        return False
+    before = history[-2]
+    return before.plan == plan and before.outcome.kind == "crashed" and before.outcome.step == outcome.step and before.outcome.error_line == line
+
+
+def give_up(reason: str, history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str] = (), next_step: str | None = None) -> GiveUp:
+    """Stop, with the report, and the next step for what the last attempt ended with."""
+    kind = history[-1].outcome.kind if history else ""
+    return GiveUp(reason=reason, report=report(history, policy, needed), next_step=next_step or NEXT_STEPS.get(kind, NEXT_STEP_OTHERWISE))
 
 
 def measurements_of(history: Sequence[PastAttempt]) -> list[Measurement]:
@@ -317,15 +354,11 @@ def _plan_by_numbers(
     wider = planner.choose(origin, everything, model, capacity)
     if wider is not None:
         needed = [name for name in rungs_between(origin, wider.plan) if name not in policy.allow]
-        return GiveUp(
-            reason=f"{diagnosis}; no plan the job allows fits {format_bytes(capacity)}; "
-            f"{wider.summary(capacity)} would, with {', '.join(needed)} (not allowed)",
-            report=report(history, policy, needed=needed),
+        return give_up(
+            f"{diagnosis}; no plan the job allows fits {format_bytes(capacity)}; {wider.summary(capacity)} would, with "
+            f"{', '.join(needed)} (not allowed)", history, policy, needed=needed,
         )
-    return GiveUp(
-        reason=f"{diagnosis}; no plan fits {format_bytes(capacity)}, even with every rung oomguard has",
-        report=report(history, policy),
-    )
+    return give_up(f"{diagnosis}; no plan fits {format_bytes(capacity)}, even with every rung oomguard has", history, policy)
 
 
 def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy, failed: set[Plan], diagnosis: str) -> Decision:
@@ -347,7 +380,7 @@ def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
             new_plan = rung.step(new_plan)
         if new_plan is not None:
             return NextPlan(plan=new_plan, rung=name, reason=f"{diagnosis} -> {rung.describe(plan, new_plan)}")
-    return GiveUp(reason=f"{diagnosis}; no allowed rung is left", report=report(history, policy))
+    return give_up(f"{diagnosis}; no allowed rung is left", history, policy)
 
 
 def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: Policy, capacity: int | None) -> NextPlan | None:
@@ -377,18 +410,27 @@ def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: P
 
 
 def report(history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str] = ()) -> str:
-    """What was tried, in order, and what the job could still allow."""
+    """What was tried, in order; and, when the job ran out of memory, what it could still allow
+    (rungs are no answer to a crash or a diverged loss)."""
     lines = ["Attempts:"]
     for number, past in enumerate(history, start=1):
         o = past.outcome
         line = f"  {number}. [{past.plan.short()}] {o.kind} at step {o.step}"
         if o.kind == "oom":
             line += f" ({describe_oom(o)})"
-        elif o.message.strip():
-            line += f" ({o.message.strip().splitlines()[-1].strip()})"
+        elif o.summary:
+            line += f" ({o.summary})"
         lines.append(line)
     if policy.unsafe:
         lines.append("Rungs marked unsafe for this job (its loss diverged under them): " + ", ".join(policy.unsafe) + ".")
+    if history and history[-1].outcome.kind in MEMORY_KINDS:
+        lines += _ladder_advice(policy, needed)
+    return "\n".join(lines)
+
+
+def _ladder_advice(policy: Policy, needed: Sequence[str]) -> list[str]:
+    """The rungs the job does not allow, and the ``[ladder] allow`` line that would add them."""
+    lines = []
     not_allowed = [name for name in RUNG_NAMES if name not in policy.allow and name not in policy.unsafe]
     if not_allowed:
         lines.append("Rungs this job does not allow: " + ", ".join(not_allowed) + ".")
@@ -402,4 +444,4 @@ def report(history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str]
     missing = [name for name in policy.allow if ladder.rung(name) is None]
     if missing:
         lines.append("Allowed but not available in this version of oomguard: " + ", ".join(missing) + ".")
-    return "\n".join(lines)
+    return lines

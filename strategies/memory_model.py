@@ -75,7 +75,8 @@ class Measurement:
     included). Otherwise the plan ran out of memory and ``peak_bytes`` is the bytes in use
     plus the failed request, a lower bound of its peak at ``capacity``.
     ``static`` holds the bytes of ``parameters`` (on the device), ``trainable`` parameters
-    and device ``optimizer_state`` when the runner knew them.
+    and device ``optimizer_state`` when the runner knew them; for a command job's script, the
+    ``resident`` bytes it held between steps.
     """
 
     plan: Plan
@@ -231,10 +232,16 @@ class MemoryModel:
             fixed = max(by_size[s] - slope * s for s in sizes)
             return self._respect_ooms(shape, Line(fixed, slope, measured=True))
         static = self._static(shape)
-        if len(by_size) == 1 and static is not None:
+        # A command job's script reports what stays on its device between steps instead of
+        # its parameters (jobs/script_report.py): that is the line's fixed part. It holds the
+        # last micro-batch's outputs too, so it errs high, which keeps smaller micro-batches'
+        # predictions above their true peaks.
+        resident = max((m.static["resident"] for m in runs if "resident" in m.static), default=None)
+        if len(by_size) == 1 and (static is not None or resident is not None):
             (size, peak), = by_size.items()
-            per_sample = max(0.0, (peak - static.total) / size)
-            return self._respect_ooms(shape, Line(static.total, per_sample, measured=True))
+            fixed = static.total if static is not None else min(resident, peak)
+            per_sample = max(0.0, (peak - fixed) / size)
+            return self._respect_ooms(shape, Line(fixed, per_sample, measured=True))
         return None
 
     def _respect_ooms(self, shape: Plan, line: Line) -> Line:

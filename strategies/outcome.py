@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -70,6 +71,18 @@ class MemoryFigures:
             return None
         return max(self.breakdown, key=lambda name: self.breakdown[name])
 
+    def measurement(self, plan: Plan, step: int, static: dict[str, int] | None = None) -> Measurement:
+        """This OOM as the memory model reads it: ``plan`` needed more than the bytes in use
+        plus the failed request, at the capacity of the moment."""
+        return Measurement(
+            plan=plan,
+            fits=False,
+            peak_bytes=(self.allocated or 0) + (self.requested or 0),
+            capacity=self.total,
+            static=static or {},
+            step=step,
+        )
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -90,6 +103,22 @@ class Outcome:
     measurements: tuple[Measurement, ...] = ()
     # Rungs taken inside the process, in order: {"step", "from", "to", "rungs", "reason"}.
     recoveries: tuple[dict[str, Any], ...] = ()
+
+    @property
+    def error_line(self) -> str | None:
+        """The exception the attempt died of, as its traceback's last line names it (e.g.
+        "FileNotFoundError: [Errno 2] No such file or directory: 'x.csv'"), when its report
+        names one: the runner's message, else the end of its traceback or log."""
+        return exception_line(self.message) or exception_line(self.traceback_tail)
+
+    @property
+    def summary(self) -> str:
+        """What the attempt ended with, in one line for people: for a crash, its exception line
+        (what its owner has to fix); otherwise, or without one, the first line of its message."""
+        if self.kind == "crashed" and self.error_line:
+            return self.error_line
+        lines = self.message.strip().splitlines()
+        return lines[0].strip() if lines else ""
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -127,6 +156,41 @@ class Outcome:
             return cls(kind="crashed", message=f"the runner was killed by {name} before it could report", exit_code=returncode)
         kind = KIND_BY_EXIT_CODE.get(returncode, "crashed")
         return cls(kind=kind, message=f"the runner exited with code {returncode} without writing outcome.json", exit_code=returncode)
+
+
+# A line that names an exception, as the last line of a Python traceback does: "KeyError: 'a'",
+# "torch.OutOfMemoryError: CUDA out of memory. ...", "KeyboardInterrupt".
+_EXCEPTION = re.compile(r"(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Interrupt|Exit)(?::.*)?")
+# Errors printed without a traceback: the interpreter refusing to start a script, and argparse
+# refusing a script's arguments ("train.py: error: unrecognized arguments: --lr").
+_UNTRACED_ERROR = re.compile(r"\S*python[\d.]*: (?:can't open file |No module named |Error while finding module )|\S+: error: \S")
+# Launchers re-reporting that their child failed (accelerate's CalledProcessError, torchrun's
+# ChildFailedError, multiprocessing's): never the cause, which their child printed before.
+_LAUNCHER_REPORT = re.compile(r"CalledProcessError|ChildFailedError|ProcessRaisedException|ProcessExitedException")
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)\d+\]:\s?")
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def exception_line(text: str) -> str | None:
+    """The last error ``text`` names (a traceback, a runner's message, or the end of a log): the
+    line that ends its last traceback, or any line shaped like an exception ("KeyError: 'a'"), or
+    an error printed without one (_UNTRACED_ERROR); a launcher's re-report of its child's failure
+    is passed over for the child's own error. None when the text names no error."""
+    found = None
+    in_traceback = False
+    for raw in text.splitlines():
+        line = _RANK_PREFIX.sub("", raw).rstrip()
+        if line.startswith(_TRACEBACK):
+            in_traceback = True
+            continue
+        # A traceback's frames are indented; its first line that is not ends it, whatever the
+        # exception is called.
+        ends_traceback = in_traceback and line[:1] not in ("", " ", "\t")
+        in_traceback = in_traceback and not ends_traceback
+        named = ends_traceback or _EXCEPTION.fullmatch(line) or _UNTRACED_ERROR.match(line)
+        if named and not _LAUNCHER_REPORT.search(line):
+            found = line.strip()
+    return found
 
 
 def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:

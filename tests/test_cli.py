@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.e2e.conftest import oomguard, tiny_job
 
@@ -102,3 +105,61 @@ def test_status_lists_the_running_the_head_of_the_queue_and_the_last_ended() -> 
     expected = {4, 50, *queued[: STATUS_QUEUED_SHOWN - 1], *range(61, 61 + STATUS_ENDED_SHOWN)}
     assert shown == sorted(expected)
     assert [job["id"] for job in status_rows(jobs, queue, everything=True)] == list(range(1, 101))
+
+
+# A reader that goes away (`oomguard logs 1 | head`) ------------------------------------------------
+
+
+def state_with_a_long_log(tmp_path: Path) -> Path:
+    """A store with one job whose attempt logged 1 MiB: more than a pipe holds."""
+    from oomguard.daemon.paths import StateDir
+    from oomguard.daemon.store import Store
+    from oomguard.daemon.supervisor import Supervisor
+    from oomguard.daemon.users import Account
+    from oomguard.jobs.spec import load_job_file
+
+    state = StateDir(tmp_path / "state").create()
+    store = Store(state.database)
+    job_id = Supervisor(state, store).add_job(load_job_file(tiny_job(tmp_path)), Account.current())
+    attempt_dir = tmp_path / "attempt"
+    attempt_dir.mkdir()
+    (attempt_dir / "output.log").write_text("".join(f"step {n} loss 0.5\n" for n in range(60_000)))
+    store.add_attempt(job_id=job_id, number=1, plan=store.job(job_id)["plan"], directory=str(attempt_dir), started_at=1.0)
+    store.close()
+    return state.root
+
+
+def test_logs_into_a_pipe_whose_reader_stops_early_exits_quietly(tmp_path: Path) -> None:
+    state = state_with_a_long_log(tmp_path)
+    reader = subprocess.Popen(["head", "-n", "3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    logs = subprocess.Popen(
+        [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(state), "logs", "1"], stdout=reader.stdin, stderr=subprocess.PIPE,
+    )
+    assert reader.stdin is not None and reader.stdout is not None
+    reader.stdin.close()  # only head holds the pipe's reading end now
+    shown = reader.stdout.read()
+    assert reader.wait(timeout=60) == 0
+    _, errors = logs.communicate(timeout=60)
+    assert shown.decode().splitlines() == ["== attempt 1 (mb=8x1) ==", "step 0 loss 0.5", "step 1 loss 0.5"]
+    assert errors.decode() == ""  # no BrokenPipeError traceback
+    assert logs.returncode == 141  # 128 + SIGPIPE, as a shell reports a command the pipe's end stopped
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["status"], ["show", "1"], ["show", "1", "--json"], ["logs", "1"], ["daemon"], ["run", "{job}", "--workdir", "{workdir}"]],
+    ids=lambda command: command[0] if command[0] in ("daemon", "run") else " ".join(command),
+)
+def test_every_command_exits_quietly_when_its_reader_has_gone(tmp_path: Path, command: list[str]) -> None:
+    state = state_with_a_long_log(tmp_path)
+    command = [part.format(job=tiny_job(tmp_path, "other"), workdir=tmp_path / "run") for part in command]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away before a byte was written
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(state), *command], stdout=write_end, stderr=subprocess.PIPE,
+            timeout=60,
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr.decode() == "" and done.returncode == 141

@@ -14,6 +14,7 @@ import pytest
 from oomguard.jobs.command import CommandError, CommandSpec, check, exposed_rungs, render
 from oomguard.jobs.spec import JobFileError, JobSpec, load_job_file, parse_job_text
 from oomguard.strategies.plan import Plan
+from tests.conftest import as_root
 
 JOB = """\
 name = "script"
@@ -30,8 +31,11 @@ max_steps = 10
 ARGV = ["python3", "-c", "pass", "--train_batch_size={micro_batch}", "--gradient_accumulation_steps={grad_accum}", "--mixed_precision={mixed_precision}", "--output_dir={workdir}/out"]
 
 
-def job(argv=ARGV, extra: str = "", base_dir: Path | None = None) -> JobSpec:
-    return parse_job_text(JOB.format(argv=json.dumps(argv)) + extra, "job.toml", base_dir=base_dir or Path.cwd())
+def job(argv=ARGV, extra: str = "", base_dir: Path | None = None, cwd: Path | None = None) -> JobSpec:
+    text = JOB.format(argv=json.dumps(argv)) + extra
+    if cwd is not None:
+        text = text.replace("[command.when]", f"cwd = {json.dumps(str(cwd))}\n[command.when]")
+    return parse_job_text(text, "job.toml", base_dir=base_dir or Path.cwd())
 
 
 def test_the_plan_fills_whole_arguments_and_adds_arguments_for_knobs_that_are_on():
@@ -73,7 +77,7 @@ def test_a_job_round_trips_through_the_store():
         (["python3", "--bs={batch}"], "command.argv: unknown placeholder {batch} (known: {micro_batch}, {grad_accum}, {batch_size}"),
         (["python3", "--bs={micro_batch"], "command.argv: argument '--bs={micro_batch' is not a valid template"),
         (["no-such-program-here", "x"], "command.argv: program 'no-such-program-here' not found on PATH; give its full path, or install it"),
-        (["./missing.py"], "command.argv: program ./missing.py not found"),
+        (["./missing.py"], "command.argv: program ./missing.py is a relative path, but without [command] cwd the command runs in"),
         (["{workdir}/train.py"], "the program itself ('{workdir}/train.py') cannot be a placeholder"),
     ],
 )
@@ -88,10 +92,10 @@ def test_a_script_that_is_not_executable_is_refused_with_the_fix(tmp_path: Path)
     script.write_text("print('hi')\n")
     script.chmod(0o644)
     with pytest.raises(JobFileError, match=r'is not executable \(chmod \+x it, or start it with its interpreter'):
-        job(["./train.py"], base_dir=tmp_path)
+        job(["./train.py"], cwd=tmp_path)
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    assert job(["./train.py"], base_dir=tmp_path).command is not None
-    assert job([sys.executable, "train.py"], base_dir=tmp_path).command is not None
+    assert job(["./train.py"], cwd=tmp_path).command is not None
+    assert job([sys.executable, "train.py"], cwd=tmp_path).command is not None
 
 
 def test_command_tables_belong_to_command_jobs():
@@ -222,12 +226,22 @@ def test_the_last_step_count_of_a_script_log(log, step):
 EXAMPLES = Path(__file__).parents[1] / "jobs" / "examples"
 
 
-def test_the_diffusers_example_jobs_pass_their_knobs_to_the_scripts(monkeypatch):
-    # `accelerate` is found the way `oomguard submit` finds it: on PATH.
+def example(name: str, scripts: Path) -> JobSpec:
+    """An example job file with its scripts' folder (/srv/lab/scripts, to be edited) in ``scripts``."""
+    job_file = scripts / name
+    job_file.write_text((EXAMPLES / name).read_text().replace("/srv/lab/scripts", str(scripts)))
+    return load_job_file(job_file)
+
+
+def test_the_diffusers_example_jobs_pass_their_knobs_to_the_scripts(monkeypatch, tmp_path: Path):
+    # `accelerate` is found the way `oomguard submit` finds it: on PATH; the scripts are checked
+    # in the examples' [command] cwd.
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    unconditional = load_job_file(EXAMPLES / "diffusers_train_unconditional.toml")
+    for script in ("train_unconditional.py", "train_text_to_image_lora.py"):
+        (tmp_path / script).write_text("")
+    unconditional = example("diffusers_train_unconditional.toml", tmp_path)
     assert unconditional.policy().allow == ("allocator", "micro_batch")
-    lora = load_job_file(EXAMPLES / "diffusers_train_text_to_image_lora.toml")
+    lora = example("diffusers_train_text_to_image_lora.toml", tmp_path)
     assert lora.policy().allow == ("allocator", "micro_batch", "checkpointing", "optimizer_8bit")
     plan = lora.initial_plan()
     assert (plan.batch_size, plan.micro_batch, plan.mixed_precision, plan.even_slices) == (8, 8, "fp16", True)
@@ -276,3 +290,114 @@ def test_a_built_in_job_still_needs_its_learning_rate():
     without = "\n".join(line for line in text.splitlines() if not line.startswith("learning_rate"))
     with pytest.raises(JobFileError, match=r"train.learning_rate: required key is missing \(e.g. learning_rate = 1e-4\)"):
         parse_job_text(without, "quickstart.toml", base_dir=EXAMPLES)
+
+
+# Bad paths: the command's folder and its script, checked when the job is submitted ------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "script"),
+    [
+        (["python", "train.py", "--lr=1e-4"], "train.py"),
+        (["python3.11", "-u", "-W", "ignore", "-X", "dev", "scripts/train.py", "x.py"], "scripts/train.py"),
+        (["/opt/venv/bin/python3", "/srv/train.py"], "/srv/train.py"),
+        (["python", "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "train.py", "--data", "d.py"], "train.py"),
+        (["accelerate", "launch", "--multi_gpu", "--num_processes={processes}", "--config_file", "cfg.yaml", "train.py"], "train.py"),
+        (["/home/a/.venv/bin/accelerate", "launch", "trian.py", "--train_batch_size={micro_batch}"], "trian.py"),
+        (["torchrun", "--nproc_per_node=2", "train.py"], "train.py"),
+        (["deepspeed", "--num_gpus", "2", "train.py", "--deepspeed", "ds.json"], "train.py"),
+        (["python", "{workdir}/train.py"], "{workdir}/train.py"),
+        (["python", "-c", "import train"], None),
+        (["python", "-m", "mypackage.train", "x.py"], None),
+        (["torchrun", "-m", "mypackage.train"], None),
+        (["accelerate", "config"], None),
+        (["bash", "run.py"], None),
+        (["./train.py", "--lr=1"], None),  # the program itself: checked as the program
+    ],
+)
+def test_the_script_a_command_runs_is_found_in_its_arguments(argv, script):
+    from oomguard.jobs.command import script_argument
+
+    assert script_argument(argv) == script
+
+
+def project(tmp_path: Path) -> Path:
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "train.py").write_text("print('training')\n")
+    return folder
+
+
+def error_of(argv, cwd: Path | None, base_dir: Path | None = None) -> str:
+    with pytest.raises(JobFileError) as caught:
+        job(argv, cwd=cwd, base_dir=base_dir)
+    return str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [sys.executable, "trian.py", "--train_batch_size={micro_batch}", "--gradient_accumulation_steps={grad_accum}"],
+        ["accelerate", "launch", "--num_processes=1", "trian.py", "--train_batch_size={micro_batch}"],
+    ],
+    ids=["python", "accelerate-launch"],
+)
+def test_a_mistyped_script_is_refused_naming_it_and_the_fix(tmp_path: Path, argv, monkeypatch):
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # accelerate, as submit finds it
+    folder = project(tmp_path)
+    message = error_of(argv, cwd=folder)
+    assert message.startswith("job.toml: command.argv: script trian.py not found: ")
+    assert f"{folder / 'trian.py'} does not exist" in message and "did you mean 'train.py'?" in message
+    assert "relative to [command] cwd" in message
+
+
+def test_a_script_given_by_its_full_path_or_through_a_placeholder(tmp_path: Path):
+    folder = project(tmp_path)
+    assert job([sys.executable, str(folder / "train.py")]).command is not None
+    assert "script " + str(folder / "nope.py") in error_of([sys.executable, str(folder / "nope.py")], cwd=None)
+    assert job([sys.executable, "{workdir}/train.py"]).command is not None  # known only when an attempt starts
+    (folder / "data.py").mkdir()
+    assert "is a folder, not a script file" in error_of([sys.executable, "data.py"], cwd=folder)
+
+
+def test_a_relative_script_without_a_cwd_is_refused_with_the_cwd_that_holds_it(tmp_path: Path):
+    folder = project(tmp_path)
+    message = error_of([sys.executable, "train.py"], cwd=None, base_dir=folder)
+    assert "script train.py is a relative path, but without [command] cwd the command runs in the job's workdir" in message
+    assert f'set [command] cwd = "{folder}"' in message
+    # A workdir of the job file's own is where the command runs without a cwd.
+    in_workdir = f"workdir = {json.dumps(str(folder))}\n" + JOB.format(argv=json.dumps([sys.executable, "train.py"]))
+    assert parse_job_text(in_workdir, "job.toml", base_dir=tmp_path).command is not None
+    with pytest.raises(JobFileError, match=rf"script trian.py not found: .* \(relative to the job's workdir, {folder}\)"):
+        parse_job_text(in_workdir.replace("train.py", "trian.py"), "job.toml", base_dir=tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["missing", "a-file"])
+def test_a_cwd_that_is_not_a_folder_is_refused_naming_it(tmp_path: Path, kind):
+    cwd = tmp_path / "projcet"
+    if kind == "a-file":
+        cwd.write_text("")
+    message = error_of([sys.executable, "-c", "pass"], cwd=cwd)
+    expected = f"folder {cwd} does not exist" if kind == "missing" else f"{cwd} is not a folder"
+    assert message.startswith(f"job.toml: command.cwd: {expected}") and "set cwd to the folder" in message
+
+
+@as_root
+def test_the_system_daemon_looks_at_the_paths_of_its_own_users_jobs_only(tmp_path: Path, accounts):
+    """Run as root, the daemon does not look at another user's paths: queueing or refusing their
+    file would tell them whether a path exists that they may not see (tmp_path is root's, 0700).
+    `oomguard submit` checked them as that user; the daemon checks those of its own user's jobs."""
+    from oomguard.daemon.paths import StateDir
+    from oomguard.daemon.spool import Arrival, Rejection, Spool
+
+    state = StateDir(tmp_path / "state").create()
+    spool = Spool(state.inbox, state.accepted, state.rejected)
+    text = JOB.format(argv=json.dumps([sys.executable, str(tmp_path / "private" / "nope.py")]))
+    alice = accounts["alice"]
+    for name in ("root.toml", "alice.toml"):
+        (state.inbox / name).write_text(text)
+    os.chown(state.inbox / "alice.toml", alice.uid, alice.gid)
+    theirs = spool.take(state.inbox.resolve() / "alice.toml")
+    assert isinstance(theirs, Arrival) and theirs.owner.uid == alice.uid
+    own = spool.take(state.inbox.resolve() / "root.toml")
+    assert isinstance(own, Rejection) and "nope.py not found" in own.error

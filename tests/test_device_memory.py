@@ -510,3 +510,18 @@ def test_moves_are_counted_only_when_asked_and_refused_when_they_do_not_fit():
         with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate 16.00 KiB"):
             model.to("cpu")
         assert device.last_oom is not None and device.last_oom.allocated == 8 * KiB
+
+
+def test_what_outlives_a_mark_is_told_apart_from_what_came_after_it():
+    device = EmulatedDevice(capacity=None)
+    with device:
+        weights = torch.zeros(1024)  # 4 KiB, before the mark: outlives the step
+        device.mark()
+        output = weights * 2  # made in the step and still held by its caller
+        scratch = weights + 1
+        del scratch
+        assert (device.live_bytes, device.held_before_mark()) == (8192, 4096)
+        device.mark()
+        assert device.held_before_mark() == 8192  # the next step: the output is old now
+        del output
+        assert device.held_before_mark() == 4096

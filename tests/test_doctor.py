@@ -28,6 +28,7 @@ from oomguard.strategies.outcome import (
     EXIT_USAGE,
     MemoryFigures,
     Outcome,
+    exception_line,
 )
 from oomguard.strategies.plan import EXPANDABLE_SEGMENTS, Plan
 
@@ -297,8 +298,8 @@ def test_never_proposes_a_plan_that_ran_out_of_memory(seed):
 def test_crash_retries_are_bounded(kind, crash_retries):
     policy = Policy(crash_retries=crash_retries)
     history, decisions = [], []
-    for _ in range(crash_retries + 3):
-        outcome = crash(kind=kind)
+    for step in range(crash_retries + 3):
+        outcome = crash(kind=kind, step=step)  # each at another step: a passing trouble, not a bug that repeats
         history.append(PastAttempt(START, outcome))
         decisions.append(decide(outcome, START, history, policy))
         if isinstance(decisions[-1], GiveUp):
@@ -314,8 +315,8 @@ def test_crash_retries_are_bounded(kind, crash_retries):
 
 def test_default_crash_retries_are_retry_retry_give_up():
     history, decisions = [], []
-    for _ in range(3):
-        history.append(PastAttempt(START, crash()))
+    for step in range(3):
+        history.append(PastAttempt(START, crash(step=step)))
         decisions.append(decide(history[-1].outcome, START, history, Policy()))
     assert [type(d) for d in decisions] == [Retry, Retry, GiveUp]
 
@@ -647,8 +648,8 @@ def test_when_nothing_fits_without_the_unsafe_rung_the_job_ends_without_suggesti
 
 def test_crash_retries_back_off_so_that_a_passing_trouble_does_not_use_them_all():
     history, waits = [], []
-    for _ in range(4):
-        history.append(PastAttempt(START, crash()))
+    for step in range(4):
+        history.append(PastAttempt(START, crash(step=step)))
         decision = decide(history[-1].outcome, START, history, Policy(crash_retries=4))
         assert isinstance(decision, Retry)
         waits.append(decision.after_seconds)
@@ -672,3 +673,144 @@ def test_a_decision_at_the_largest_batch_with_every_rung_allowed_takes_about_a_s
     decision = decide(outcome, start, [PastAttempt(start, outcome)], Policy(allow=tuple(RUNG_NAMES), initial=start))
     assert time.perf_counter() - began < 15
     assert isinstance(decision, NextPlan) and decision.plan.micro_batch == 2048
+
+
+# What an attempt died of: its exception line --------------------------------------------------
+
+MISSING_CSV = "FileNotFoundError: [Errno 2] No such file or directory: 'x.csv'"
+TRACEBACK = f"""Traceback (most recent call last):
+  File "/home/alice/train.py", line 3, in <module>
+    data = open("x.csv")
+           ^^^^^^^^^^^^^
+{MISSING_CSV}
+"""
+CANNOT_OPEN = "/usr/bin/python3: can't open file '/home/alice/project/trian.py': [Errno 2] No such file or directory"
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        pytest.param(TRACEBACK, MISSING_CSV, id="traceback"),
+        pytest.param("epoch 1\n" + TRACEBACK + "wandb: Synced 3 files\n\n", MISSING_CSV, id="noise-after-it"),
+        pytest.param(
+            "Traceback (most recent call last):\n  File \"t.py\", line 1\nValueError: first\n\nDuring handling of the above exception, "
+            "another exception occurred:\n\nTraceback (most recent call last):\n  File \"t.py\", line 4\nRuntimeError: second\n",
+            "RuntimeError: second", id="chained-the-last",
+        ),
+        pytest.param("Traceback (most recent call last):\n  File \"t.py\", line 1\nValueError: one line\nand another\n", "ValueError: one line", id="two-line-message"),
+        pytest.param("Traceback (most recent call last):\n  File \"t.py\", line 1\nmypackage.Unusual: its name says no Error\n", "mypackage.Unusual: its name says no Error", id="any-name-after-a-traceback"),
+        pytest.param(CANNOT_OPEN + "\n", CANNOT_OPEN, id="python-cannot-open-the-script"),
+        pytest.param(
+            "usage: train.py [-h] [--lr LR]\ntrain.py: error: unrecognized arguments: --train_batch_sise=4\n",
+            "train.py: error: unrecognized arguments: --train_batch_sise=4", id="argparse-refuses-the-arguments",
+        ),
+        pytest.param(
+            # accelerate launch re-reports its child's failure: the child's line is the cause.
+            CANNOT_OPEN + "\nTraceback (most recent call last):\n  File \"/v/bin/accelerate\", line 8, in <module>\n    sys.exit(main())\n"
+            "subprocess.CalledProcessError: Command '['/usr/bin/python3', 'trian.py']' returned non-zero exit status 2.\n",
+            CANNOT_OPEN, id="under-accelerate-launch",
+        ),
+        pytest.param(
+            "[rank0]: Traceback (most recent call last):\n[rank0]:   File \"t.py\", line 9\n[rank0]: KeyError: 'label'\n"
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n============\nt.py FAILED\n",
+            "KeyError: 'label'", id="under-torchrun",
+        ),
+        pytest.param("KeyError: 'a'", "KeyError: 'a'", id="a-runner-message"),
+        pytest.param("UserWarning: this is only a warning\nthe runner exited with code 1 without writing outcome.json", None, id="no-error"),
+        pytest.param("", None, id="empty"),
+    ],
+)
+def test_exception_line(text, line):
+    assert exception_line(text) == line
+
+
+def test_a_crash_is_summed_up_by_its_exception_line_and_anything_else_by_its_message():
+    command = Outcome(kind="crashed", message="the runner exited with code 1 without writing outcome.json", traceback_tail="step 1\n" + TRACEBACK)
+    assert command.summary == MISSING_CSV
+    runner = Outcome(kind="crashed", message=MISSING_CSV, traceback_tail=TRACEBACK)
+    assert runner.summary == MISSING_CSV
+    killed = Outcome.from_exit_status(-9)
+    assert killed.summary == "the runner was killed by SIGKILL before it could report"
+    diverged = Outcome(kind="diverged", message="loss is nan at step 3\nmore")
+    assert diverged.summary == "loss is nan at step 3"
+    assert Outcome(kind="crashed", message=" \n ").summary == ""
+
+
+# A crash that repeats itself is the script's, not the machine's ---------------------------------
+
+
+def test_the_same_crash_twice_at_the_same_step_ends_the_job_with_the_error_and_what_to_do():
+    history, decisions = [], []
+    for _ in range(2):
+        history.append(PastAttempt(START, crash(message=MISSING_CSV, step=0)))
+        decisions.append(decide(history[-1].outcome, START, history, Policy(crash_retries=5)))
+    assert [type(d) for d in decisions] == [Retry, GiveUp]
+    give_up = decisions[-1]
+    assert MISSING_CSV in give_up.reason and "twice in a row at step 0" in give_up.reason
+    assert give_up.next_step.startswith("fix the script and resubmit")
+    assert "allow" not in give_up.report and "[ladder]" not in give_up.report
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        pytest.param(crash(message=MISSING_CSV, step=4), id="another-step"),
+        pytest.param(crash(message="KeyError: 'label'", step=0), id="another-error"),
+        pytest.param(crash(message=MISSING_CSV, step=0, kind="host_oom"), id="host-memory"),
+        # A machine's trouble (a full disk) may pass: it keeps its backed-off retries.
+        pytest.param(crash(message="OSError: [Errno 28] No space left on device", step=0), id="full-disk"),
+    ],
+)
+def test_a_crash_that_is_not_the_same_again_is_retried(second):
+    first = crash(message=second.message if "Errno 28" in second.message else MISSING_CSV, step=0)
+    history = [PastAttempt(START, first), PastAttempt(START, second)]
+    assert isinstance(decide(second, START, history, Policy()), Retry)
+
+
+def test_the_same_crash_under_another_plan_is_retried():
+    history = [PastAttempt(START.replace(micro_batch=8), crash(step=0)), PastAttempt(START, crash(step=0))]
+    assert isinstance(decide(history[-1].outcome, START, history, Policy()), Retry)
+
+
+def test_crashes_without_an_exception_line_use_their_retries():
+    history, decisions = [], []
+    for _ in range(3):
+        history.append(PastAttempt(START, Outcome.from_exit_status(-9)))
+        decisions.append(decide(history[-1].outcome, START, history, Policy()))
+    assert [type(d) for d in decisions] == [Retry, Retry, GiveUp]
+
+
+# Ladder advice is for jobs that ran out of memory -------------------------------------------------
+
+
+LADDER_ADVICE = ("Rungs this job does not allow", "[ladder] allow", "allow the rungs")
+
+
+def advice_in(decision: GiveUp) -> list[str]:
+    text = "\n".join((decision.reason, decision.report, decision.next_step))
+    return [words for words in LADDER_ADVICE if words in text]
+
+
+@pytest.mark.parametrize(
+    ("last", "advised"),
+    [
+        pytest.param(oom(), True, id="oom"),
+        pytest.param(Outcome(kind="host_oom", step=3, message="the kernel's OOM killer ended a process"), True, id="host_oom"),
+        pytest.param(crash(), False, id="crashed"),
+        pytest.param(DIVERGED, False, id="diverged"),
+    ],
+)
+def test_ladder_advice_only_when_the_job_ran_out_of_memory(last, advised):
+    history = [PastAttempt(START, oom())] * 2 + [PastAttempt(START, last)]
+    decision = decide(last, START, history, Policy(allow=("micro_batch",), max_attempts=3))
+    assert isinstance(decision, GiveUp)
+    assert bool(advice_in(decision)) == advised, (decision.report, decision.next_step)
+
+
+def test_a_crash_that_used_its_retries_gives_no_ladder_advice():
+    history, decision = [], None
+    for step in range(3):
+        history.append(PastAttempt(START, crash(step=step)))
+        decision = decide(history[-1].outcome, START, history, Policy(allow=("micro_batch",)))
+    assert isinstance(decision, GiveUp) and advice_in(decision) == []
+    assert decision.next_step.startswith("fix the script and resubmit")

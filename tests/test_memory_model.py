@@ -59,6 +59,23 @@ def test_one_size_and_the_static_bytes_give_a_line_that_errs_high():
     assert peak(8) <= predicted <= peak(8) + 8 * TRANSIENT
 
 
+def test_a_scripts_bytes_held_between_steps_give_the_line_and_its_first_oom_lands_on_a_plan_that_fits():
+    # A command job's script reports no parameters, only what stays on its device between steps
+    # (jobs/script_report.py); with it, one measured size gives the line.
+    script = Plan.initial(128, even_slices=True)
+    resident, per_sample = 400 * 2**10, 1.5 * 2**10
+    ran_big = Measurement(plan=script, fits=True, peak_bytes=int(resident + 128 * per_sample), capacity=64 * MiB, static={"resident": resident})
+    line = MemoryModel([ran_big]).line(script)
+    assert line is not None and line.measured and line.fixed == resident and line.per_sample == pytest.approx(per_sample)
+    cap = 560 * 2**10
+    figures = MemoryFigures(requested=24 * 2**10, allocated=538 * 2**10, total=cap)
+    oom = Outcome(kind="oom", step=7, memory=figures, message="CUDA out of memory", measurements=(ran_big, figures.measurement(script, 7)))
+    decision = decide(oom, script, [], Policy())
+    assert isinstance(decision, NextPlan) and decision.rung == "micro_batch"
+    assert 128 % decision.plan.micro_batch == 0 and resident + decision.plan.micro_batch * per_sample <= cap
+    assert decision.plan.micro_batch >= 32  # a jump, not one halving per attempt to a size far below
+
+
 def test_an_oom_steepens_a_line_that_said_it_would_fit():
     optimistic = ran(BASE.replace(micro_batch=1), per_sample=PER_SAMPLE / 2)
     oom = Measurement(plan=BASE.replace(micro_batch=8), fits=False, peak_bytes=peak(8), capacity=peak(8) - 1, static=STATIC)

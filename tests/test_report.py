@@ -149,7 +149,7 @@ def test_an_attempt_without_metrics_is_named_in_the_figure(store: Store, tmp_pat
     add_attempt(store, job_id, tmp_path, 3, CKPT, T0 + 30, outcome=crash, ended=T0 + 31)
     data = load(store, job_id)
     assert data.attempts[2].points == ()
-    assert data.notes == ("attempt 3: no metrics: it ended (crashed (step 12)) before its first step",)
+    assert data.notes == ("attempt 3: no metrics: it ended (crashed (step 12)) before its first step", "attempt 3 crashed: ImportError")
     assert png_size(draw_report(data, tmp_path / "r.png")) == (1400, 900)
 
 

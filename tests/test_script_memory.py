@@ -18,13 +18,7 @@ from oomguard.jobs.command import BOOTSTRAP_DIR
 
 pytestmark = pytest.mark.slow
 
-SAVE = """
-import sys
-from diffusers import UNet2DModel
-UNet2DModel(sample_size=16, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(32, 64),
-            down_block_types=("DownBlock2D", "AttnDownBlock2D"), up_block_types=("AttnUpBlock2D", "UpBlock2D"),
-            norm_num_groups=8).save_pretrained(sys.argv[1])
-"""
+SAVE_UNET = Path(__file__).parent / "scripts" / "save_tiny_unet.py"
 
 # Each way prints the live bytes of the emulated device against the bytes of the model's
 # parameters and buffers once the model is on the job's device.
@@ -75,7 +69,7 @@ def bootstrapped(code: str, *args: str, cap: str) -> subprocess.CompletedProcess
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("unet")
-    subprocess.run([sys.executable, "-c", SAVE, str(folder)], check=True, capture_output=True, timeout=180)
+    subprocess.run([sys.executable, str(SAVE_UNET), str(folder)], check=True, capture_output=True, timeout=180)
     assert (folder / "diffusion_pytorch_model.safetensors").is_file()
     return folder
 

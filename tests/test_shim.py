@@ -67,6 +67,23 @@ def test_a_command_that_cannot_start_is_recorded(tmp_path: Path):
     assert "cannot start" in (tmp_path / "b" / "output.log").read_text()
 
 
+def test_a_command_runs_in_its_cwd_and_a_missing_one_is_named(tmp_path: Path):
+    (tmp_path / "project").mkdir()
+    for attempt, cwd in ((tmp_path / "here", tmp_path / "project"), (tmp_path / "gone", tmp_path / "project-moved")):
+        shim = subprocess.Popen(
+            [sys.executable, "-m", "oomguard.daemon.shim", str(attempt), "--cwd", str(cwd), "--", sys.executable, "-c", "import os; print(os.getcwd())"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        shim.wait(timeout=30)
+    assert (tmp_path / "here" / "output.log").read_text() == f"{tmp_path / 'project'}\n"
+    missing = tmp_path / "project-moved"
+    assert (tmp_path / "gone" / "output.log").read_text().splitlines() == [
+        f"oomguard: cannot start {sys.executable} in its [command] cwd {missing}: No such file or directory",
+        f"FileNotFoundError: [Errno 2] No such file or directory: '{missing}'",
+    ]
+    assert outcome_without_report(tmp_path / "gone", 127).summary == f"FileNotFoundError: [Errno 2] No such file or directory: '{missing}'"
+
+
 def test_bad_usage(tmp_path: Path):
     done = subprocess.run([sys.executable, "-m", "oomguard.daemon.shim", str(tmp_path)], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert done.returncode == 2 and "usage:" in done.stderr

@@ -8,11 +8,18 @@ library unless device memory is emulated (tests, where the script runs on oomgua
 - With an emulated capacity set (OOMGUARD_EMULATE_DEVICE_MEMORY, or an emulated GPU), the
   script's tensors count against it from its first ``import torch``
   (oomguard.jobs.script_memory).
+- Under oomguard (an attempt directory set), each optimizer step is reported to the daemon
+  (oomguard_progress.py), and what accelerate restores from a checkpoint is corrected for the
+  relaunch's split (oomguard_accelerate.py); library warnings that say nothing to act on are
+  kept out of the job log (oomguard_noise.py).
 - Then the sitecustomize this one hides, if any, runs as before."""
 
 import os
 import sys
 
+import oomguard_accelerate
+import oomguard_noise
+import oomguard_progress
 import oomguard_ranks
 
 
@@ -48,4 +55,8 @@ def _emulate_device_memory() -> None:
 oomguard_ranks.install()
 if os.environ.get("OOMGUARD_EMULATE_DEVICE_MEMORY") or os.environ.get("OOMGUARD_EMULATED_GPUS"):
     _emulate_device_memory()
+if os.environ.get(oomguard_ranks.ATTEMPT_DIR_ENV):
+    oomguard_noise.quiet_optional_kernel_warnings()
+    oomguard_progress.install()
+    oomguard_accelerate.install()
 _run_the_hidden_sitecustomize()
