@@ -39,9 +39,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# The benchmarks, about ten minutes on 2 cores, results in bench/results/:
+# The benchmarks, about twenty minutes on 2 cores, results in bench/results/:
 # - bench/ladder.py: oomguard and accelerate's find_executable_batch_size against the best plan
-#   there is, on the jobs in bench/jobs/ under emulated caps (ladder.md, ladder.json, ladder.png);
+#   there is, on the jobs in bench/jobs/ under emulated caps, and command jobs on scripts like
+#   diffusers' examples (bench/command_pairs.py) (ladder.md, ladder.json, ladder.png);
 # - bench/speed.py: recovery latency, supervisor overhead, 10,000 queued jobs (speed.md, speed.json).
 bench: install
 	$(BIN)/python bench/ladder.py --update-readme

@@ -196,7 +196,8 @@ def _describe(arguments):
 
 
 def _step_of(directory):
-    match = re.search(r"(\d+)$", os.path.basename(os.path.normpath(directory)))
+    """The step in a checkpoint folder's name, as diffusers' examples name them (checkpoint-N)."""
+    match = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.normpath(directory)))
     return int(match.group(1)) if match else None
 
 

@@ -134,12 +134,14 @@ def _after_optimizer_step(torch, optimizer):
     now = time.time()
     seconds = now - state.last_step_at if state.last_step_at is not None else None
     state.last_step_at = now
+    reporting = _is_rank_zero() and os.environ.get(ATTEMPT_DIR_ENV)
+    # The step's own figures, under the capacity it ran with, before a listener moves it on.
+    peak, capacity, resident = _memory(torch, optimizer) if reporting else (None, None, None)
     for listener in state.listeners:
         listener(state.step)
-    if not _is_rank_zero() or not os.environ.get(ATTEMPT_DIR_ENV):
+    if not reporting:
         return
     sent = attempt()
-    peak, capacity, resident = _memory(torch, optimizer)
     batch_size = sent.get("batch_size")
     loss = last_loss
     state.record = {
