@@ -564,8 +564,8 @@ class Supervisor:
         runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
         shim_options: list[str] = []
         if spec.command is not None:
-            # The user's own script, with the plan's knobs in its arguments; it reports nothing
-            # itself: the shim's exit.json and the log's last error say how it ended.
+            # The user's own script, with the plan's knobs in its arguments: the bootstrap
+            # reports its steps, the shim's exit.json and the log's last error how it ended.
             runner, extra_env = render(spec.command, plan, workdir, number)
             env.update(extra_env)
             if spec.command.cwd:
@@ -573,18 +573,7 @@ class Supervisor:
                 # must not enter a folder for them that they may not, nor tell them, by failing
                 # here or not, whether a folder exists that they cannot see.
                 shim_options = ["--cwd", spec.command.cwd]
-            # The script's Python processes, unchanged, load jobs/bootstrap/sitecustomize.py:
-            # a process that dies of an OOM (or a rank that dies) says so for the shim to end
-            # the attempt's other processes, and under emulation its tensors count against
-            # the emulated capacity.
-            if job["emulate_device_memory"]:
-                env[EMULATE_DEVICE_MEMORY_ENV] = job["emulate_device_memory"]
-            # What the bootstrap's step reports carry (jobs/bootstrap/oomguard_progress.py).
-            earlier = [_attempt_files(a) for a in self.store.attempts(job["id"])]
-            env[ATTEMPT_ENV] = json.dumps({
-                "plan": plan.short(), "max_steps": spec.train.max_steps, "batch_size": plan.batch_size, "first_schedules": first_schedules(earlier),
-            })
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), env.get("PYTHONPATH", "")]))
+            env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
         # The shim (as the owner, in a session of its own) writes attempt.json from its
         # standard input, runs the runner and records its exit status for any daemon to read.
         try:
@@ -620,6 +609,24 @@ class Supervisor:
         # daemon neither hashes gigabytes in its loop nor reads through a user's folder).
         where = f" on GPU {','.join(str(i) for i in gpus)}" if gpus is not None else ""
         self.event(job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}]")
+
+    def _bootstrap_environment(self, job: dict[str, Any], spec: JobSpec, plan: Plan, python_path: str) -> dict[str, str]:
+        """What a command job's Python processes need to load jobs/bootstrap/sitecustomize.py,
+        unchanged: a process that dies of an OOM (or a rank that dies) says so for the shim to
+        end the attempt's other processes; each optimizer step is reported (oomguard_progress.py,
+        with the first attempt's learning-rate schedules for oomguard_accelerate.py); under
+        emulation the script's tensors count against the emulated capacity."""
+        earlier = [_attempt_files(a) for a in self.store.attempts(job["id"])]
+        env = {
+            ATTEMPT_ENV: json.dumps({
+                "plan": plan.short(), "max_steps": spec.train.max_steps, "batch_size": plan.batch_size,
+                "first_schedules": first_schedules(earlier),
+            }),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), python_path])),
+        }
+        if job["emulate_device_memory"]:
+            env[EMULATE_DEVICE_MEMORY_ENV] = job["emulate_device_memory"]
+        return env
 
     # Ending ---------------------------------------------------------------------------------
 

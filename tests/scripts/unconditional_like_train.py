@@ -15,7 +15,9 @@ What it shares with the real script:
   process; a progress line per optimizer step like its tqdm bar's postfix
   (``Epoch 1: ... step=12``);
 - a pretrained UNet loaded with ``from_pretrained`` (safetensors), optionally with LoRA
-  adapters (peft), sent to the device by ``accelerator.prepare``.
+  adapters (peft), sent to the device by ``accelerator.prepare``;
+- torch is probed with ``importlib.util.find_spec`` before it is imported, as a data library
+  imported first does.
 
 At the end it prints the optimizer steps, the samples trained on (kept in its checkpoints with
 ``register_for_checkpointing``) and the final learning rate, for the tests to compare with an
@@ -23,11 +25,16 @@ uninterrupted run.
 """
 
 import argparse
+import importlib.util
 import math
 import os
 import re
 
-import torch
+# A data library imported before torch asks whether torch is there first, as datasets' config
+# does (importlib.util.find_spec), and torch is imported later.
+TORCH_AVAILABLE = importlib.util.find_spec("torch") is not None
+
+import torch  # noqa: E402
 from accelerate import Accelerator
 from diffusers.optimization import get_scheduler
 
