@@ -52,22 +52,34 @@ TEARDOWN_GRACE_SECONDS = 3.0
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
+def _arguments(args: list[str]) -> tuple[Path, str | None, list[str]] | None:
+    """ATTEMPT_DIR [--cwd DIR] -- COMMAND...: the folder, the cwd and the command (None: bad usage)."""
     cwd = args[2] if len(args) > 2 and args[1] == "--cwd" else None
     separator = 3 if cwd is not None else 1
     if len(args) < separator + 2 or args[separator] != "--":
-        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--cwd DIR] -- COMMAND [ARG...]", file=sys.stderr)
-        return 2
-    attempt_dir, command = Path(args[0]), args[separator + 1:]
-    config = sys.stdin.read()
-    attempt_dir.mkdir(parents=True, exist_ok=True)
-    # A workdir used before (a job submitted again) may hold an earlier attempt's files here:
-    # whatever the daemon reads next must be this attempt's.
+        return None
+    return Path(args[0]), cwd, args[separator + 1 :]
+
+
+def _clear_stale_files(attempt_dir: Path) -> None:
+    """A workdir used before (a job submitted again) may hold an earlier attempt's files here:
+    whatever the daemon reads next must be this attempt's."""
     for stale in (OUTCOME, HEARTBEAT, METRICS, SCHEDULES, EXIT_STATUS):
         (attempt_dir / stale).unlink(missing_ok=True)
     for stale_mark in attempt_dir.glob(f"{oomguard_ranks.MARK_PREFIX}*"):
         stale_mark.unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    parsed = _arguments(args)
+    if parsed is None:
+        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--cwd DIR] -- COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    attempt_dir, cwd, command = parsed
+    config = sys.stdin.read()
+    attempt_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_files(attempt_dir)
     if config:
         temporary = attempt_dir / f".{CONFIG}.tmp"
         temporary.write_text(config)

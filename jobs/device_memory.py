@@ -10,6 +10,10 @@ capacity is exceeded, so the code that survives real OOMs is exercised unchanged
 
 On a machine with CUDA, ``limit_cuda_memory`` makes a big card behave like a small one,
 and the OOMs are PyTorch's own.
+
+One idea, one file (past 400 lines): the device's accounting, the two modes that feed it (ops
+that allocate; tensors a script sends to its device) and the OOM it raises share the storage
+table and cannot be split without exposing it.
 """
 
 from __future__ import annotations
