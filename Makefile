@@ -35,6 +35,8 @@ DEMO_CAP ?= 200MiB,100MiB@15
 demo: $(STAMP)
 	rm -rf demo-workdir
 	$(BIN)/oomguard run jobs/examples/quickstart.toml --workdir demo-workdir --emulate-device-memory $(DEMO_CAP)
+	@echo "the attempt's log: $(BIN)/oomguard --state-dir demo-workdir/.oomguard logs 1"
+	@echo "the job's record:  $(BIN)/oomguard --state-dir demo-workdir/.oomguard show 1"
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

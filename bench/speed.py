@@ -916,7 +916,7 @@ def queue_scale(
         log(f"queue: oomguard submit x{cli_sample} into a short queue: {result['submit_cli_empty']['jobs_per_s']:.1f} jobs/s")
 
         # The rest: dropped into the inbox as `oomguard submit` writes them (temp name, rename).
-        text = spool_text(QUEUE_JOB_FILE)
+        text = spool_text(QUEUE_JOB_FILE, QUEUE_JOB_FILE.parent)
         rest = jobs - cli_sample
         dropped_from = time.time()
         for i in range(rest):

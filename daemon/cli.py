@@ -24,6 +24,7 @@ from typing import Any
 
 from oomguard.daemon.paths import StateDir, default_state_dir
 from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
+from oomguard.daemon.text import escape, escape_block
 from oomguard.jobs.attempt import HEARTBEAT, LOG, read_json
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.spec import JobFileError, load_job_file
@@ -53,8 +54,12 @@ def current_user() -> str:
 
 
 def print_event(job: dict[str, Any], kind: str, message: str) -> None:
+    """One record of the daemon's log: the event's first line, then any further lines (a
+    report) indented below it, all escaped (text.escape_block): nothing a user wrote can start
+    a line that reads as a record of its own, or act on the terminal of whoever reads it."""
     stamp = time.strftime("%H:%M:%S")
-    print(f"[{stamp}] job {job['id']} {job['name']}: {kind}: {message}", flush=True)
+    first, _, rest = str(message).partition("\n")
+    print(f"[{stamp}] " + escape_block(f"job {job['id']} {job['name']}: {kind}: {first}", rest), flush=True)
 
 
 def stdout_to_devnull() -> None:
@@ -74,7 +79,9 @@ def print_table(table: Any) -> None:
         def on_broken_pipe(self) -> None:
             raise BrokenPipeError  # ended as by any other command (main), not by rich's exit(1)
 
-    _Console(width=None if sys.stdout.isatty() else 240).print(table)
+    # No console markup or emoji codes: a cell holds a user's text ("[/bold]" in a message
+    # made rich raise, and `status` fail for everyone); the cells are escaped (text.escape).
+    _Console(width=None if sys.stdout.isatty() else 240, markup=False, emoji=False).print(table)
 
 
 def cap_schedule(text: str | None) -> str | None:
@@ -106,15 +113,73 @@ def create_state_dir(state_dir: Path) -> StateDir:
 
 
 def find_job(store: Store, key: str) -> dict[str, Any]:
-    """The job a user names on the command line (an id or a name). A key of digits that is no
-    possible id ("99999999999999999999", or "\u00b2", a digit to str.isdigit) is "no such job"
+    """The job a user names on the command line (an id or a name). A name means the user's own
+    job of that name first, else the one job of anyone else that has it; a name several jobs
+    share that way is refused (exit 2) with their ids (Store.job_for). A key of digits that is
+    no possible id ("99999999999999999999", or "\u00b2", a digit to str.isdigit) is "no such job"
     (exit 3), not the OverflowError or ValueError the store raised for it."""
     from oomguard.daemon.spool import job_key_problem
+    from oomguard.daemon.store import AmbiguousJobName
 
     problem = job_key_problem(key)
     if problem:
         raise JobNotFound(problem)
-    return store.job(key)
+    uid = os.geteuid()
+    try:
+        return store.job_for(key, uid, _user_name(uid))
+    except AmbiguousJobName as error:
+        raise CliError(str(error)) from None
+
+
+def _user_name(uid: int) -> str | None:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return None
+
+
+def write_spool_file(inbox: Path, stem: str, text: str, suffix: str = ".toml") -> Path:
+    """A new file in the inbox under a fresh unguessable name (spool.write_to_inbox)."""
+    from oomguard.daemon.spool import InboxNameTaken, write_to_inbox
+
+    try:
+        return write_to_inbox(inbox, stem, text, suffix)
+    except InboxNameTaken as error:
+        raise CliError(
+            f"cannot place a file in the inbox {inbox}: {error.strerror}, which only someone making files there on "
+            "purpose can do; try again, and tell the administrator if it happens again", EXIT_FAILED,
+        ) from None
+    except OSError as error:
+        raise CliError(
+            f"cannot write into the inbox {inbox} ({error.strerror or error}); is --state-dir (or $OOMGUARD_STATE_DIR) the "
+            "daemon's state directory, and has the daemon set it up (it makes the inbox writable for everyone when it starts)?"
+        ) from None
+
+
+def answer_to(store: Store, spooled: Path) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """What the daemon recorded for the inbox file ``spooled`` that this process wrote: (the job
+    it queued, the answer to it), both None while there is none. Only a record for this user
+    counts: the CLI never reports anyone else's answer as its own (a record under its name for
+    another user means the name was taken; it is not its answer)."""
+    uid = os.geteuid()
+    me = _user_name(uid)
+    job = store.job_by_spool_file(spooled.name)
+    if job is not None:
+        if job["owner_uid"] == uid or (job["owner_uid"] is None and job["owner"] == me):
+            return job, None
+        raise CliError(
+            f"the daemon recorded the name of your file {spooled.name} for job {job['id']} of {job['owner']}, not for you: "
+            "that is not your job, and yours was not queued; submit it again (it gets a new name)", EXIT_FAILED,
+        )
+    answer = store.request_by_file(spooled.name)
+    if answer is not None:
+        if answer["requester"] == me:
+            return None, answer
+        raise CliError(
+            f"the daemon recorded the name of your file {spooled.name} for a file of {answer['requester']}, not for you: "
+            "its answer is not yours, and yours was not answered; run the command again (it gets a new name)", EXIT_FAILED,
+        )
+    return None, None
 
 
 def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:
@@ -149,21 +214,27 @@ def job_record(store: Store, job: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from oomguard.daemon.spool import spool_text, write_to_inbox
+    from oomguard.daemon.spool import spool_text
 
     path = Path(args.file)
     try:
-        spec = load_job_file(path)
+        submit_dir = Path.cwd()
+    except FileNotFoundError:
+        raise CliError("the folder you are in was removed; cd to an existing folder and submit again") from None
+    try:
+        spec = load_job_file(path, submit_dir)
     except JobFileError as error:
         raise CliError(f"rejected: {error}") from None
     state, store = open_store(args.state_dir)
-    spooled = write_to_inbox(state.inbox, path.stem, spool_text(path))
+    spooled = write_spool_file(state.inbox, path.stem, spool_text(path, submit_dir))
     deadline = time.monotonic() + args.wait
     while time.monotonic() < deadline:
-        job = store.job_by_spool_file(spooled.name)
+        job, answer = answer_to(store, spooled)
         if job is not None:
-            print(f"job {job['id']} ({spec.name}) queued")
+            print(f"job {job['id']} ({job['name']}) queued")
             return EXIT_OK
+        if answer is not None:  # the daemon refused it (e.g. a priority above the cap)
+            raise CliError(f"refused: {answer['answer']}", EXIT_FAILED)
         time.sleep(0.1)
     print(f"{spec.name} is in the spool ({spooled}); the daemon queues it when it runs (`oomguard daemon`)")
     return EXIT_OK
@@ -208,18 +279,19 @@ def cmd_status(args: argparse.Namespace) -> int:
         attempt = newest.get(job["id"])
         running = job["state"] == "running"
         heartbeat = heartbeat_of(attempt) or {}
+        heartbeat = heartbeat if isinstance(heartbeat, dict) else {}  # written by the job's owner: anything
         spec = json.loads(job["spec"])
         plan = json.loads(job["plan"])
         max_steps = spec["train"]["max_steps"]
-        step = heartbeat.get("step", 0)
-        speed = heartbeat.get("samples_per_s") if running else None
+        step = _number(heartbeat.get("step")) or 0
+        speed = _number(heartbeat.get("samples_per_s")) if running else None
         eta = ""
-        if speed:
+        if speed and speed > 0:
             steps_left = max_steps - step
             eta = _duration(steps_left * spec["train"]["batch_size"] / speed)
         memory = ""
-        if heartbeat.get("peak_bytes") is not None and job["state"] not in TERMINAL_STATES:
-            memory = f"{format_bytes(heartbeat['peak_bytes'])} / {format_bytes(heartbeat.get('capacity_bytes'))}"
+        if _number(heartbeat.get("peak_bytes")) is not None and job["state"] not in TERMINAL_STATES:
+            memory = f"{format_bytes(int(heartbeat['peak_bytes']))} / {format_bytes(_int_or_none(heartbeat.get('capacity_bytes')))}"
         gpus = attempt["gpus"] if running and attempt and attempt["gpus"] else ""
         if job["state"] == "queued" and job["waiting"]:
             note = f"waiting: {job['waiting']}"
@@ -227,10 +299,11 @@ def cmd_status(args: argparse.Namespace) -> int:
             note = "cancel requested"
         else:
             note = (job["result"] or "").splitlines()[0] if job["result"] else ""
-        table.add_row(
+        cells = (
             str(job["id"]), job["name"], job["owner"], job["state"], gpus, _short_plan(plan), f"{step}/{max_steps}",
             f"{speed:.1f}" if speed else "", eta, memory, str(attempt["count"] if attempt else 0), note,
         )
+        table.add_row(*(escape(cell) for cell in cells))
     if len(rows) < len(jobs):
         table.caption = (
             f"{len(rows)} of {len(jobs)} jobs shown: those running, the next {STATUS_QUEUED_SHOWN} queued and the "
@@ -238,6 +311,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     print_table(table)
     return EXIT_OK
+
+
+def _number(value: Any) -> int | float | None:
+    """A number from a file a job's owner writes (heartbeat.json), else None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf"):
+        return value
+    return None
+
+
+def _int_or_none(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None else None
 
 
 def _duration(seconds: float) -> str:
@@ -272,10 +357,11 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     for sample in samples:
         processes = json.loads(sample["processes"] or "[]")
         listed = ", ".join(f"{p['pid']}: {format_bytes(p['used'])}" for p in processes)
-        table.add_row(
+        cells = (
             str(sample["gpu"]), sample["name"] or "", format_bytes(sample["used"]), format_bytes(max(sample["total"] - sample["used"], 0)),
             format_bytes(sample["total"]), listed, "; ".join(jobs_on.get(sample["gpu"], [])),
         )
+        table.add_row(*(escape(cell) for cell in cells))
     print_table(table)
     return EXIT_OK
 
@@ -327,10 +413,14 @@ def cmd_neighbour(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _short_plan(plan: dict[str, Any]) -> str:
+def _short_plan(plan: Any) -> str:
+    """Plan.short() of a plan dict; '?' for what is no plan (a runner's record may hold anything)."""
     from oomguard.strategies.plan import Plan
 
-    return Plan.from_dict(plan).short()
+    try:
+        return Plan.from_dict(plan).short()
+    except (TypeError, ValueError, AttributeError):
+        return "?"
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -339,20 +429,30 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record, indent=2))
         return EXIT_OK
-    print(f"job {record['id']} {record['name']} (owner {record['owner']}): {record['state']}")
-    print(f"  workdir: {record['workdir']}")
-    print(f"  plan: {_short_plan(record['plan'])}")
+    # Every line is one line of the record, escaped (text.escape): results, reasons and what an
+    # attempt died of quote what its runner wrote, which its owner may fill with anything.
+    _say(f"job {record['id']} {record['name']} (owner {record['owner']}): {record['state']}")
+    _say(f"  workdir: {record['workdir']}")
+    command = record["spec"].get("command")
+    if command:
+        _say(f"  runs in: {command.get('cwd') or record['workdir']}")
+    _say(f"  plan: {_short_plan(record['plan'])}")
     if record["result"]:
-        print(f"  result: {record['result']}")
+        _say(f"  result: {record['result']}")
     for attempt in record["attempts"]:
         outcome = attempt["outcome"] or {}
-        print(f"  attempt {attempt['number']}: [{_short_plan(attempt['plan'])}] {_how_it_ended(outcome)}")
+        _say(f"  attempt {attempt['number']}: [{_short_plan(attempt['plan'])}] {_how_it_ended(outcome)}")
         if attempt["rung"] or attempt["reason"]:
-            print(f"    why: {attempt['rung'] or 'retry'}: {attempt['reason']}")
+            _say(f"    why: {attempt['rung'] or 'retry'}: {attempt['reason']}")
         _print_runner_record(outcome)
     if record["report"]:
-        print(record["report"])
+        print(escape(record["report"], keep="\n"))
     return EXIT_OK
+
+
+def _say(line: str) -> None:
+    """Print one line of output that may quote a user's text, escaped: one line, inert."""
+    print(escape(line))
 
 
 def _how_it_ended(outcome: dict[str, Any]) -> str:
@@ -363,7 +463,10 @@ def _how_it_ended(outcome: dict[str, Any]) -> str:
         return "running"
     ended = f"{outcome.get('kind')} at step {outcome.get('step')}"
     if outcome.get("kind") in ("crashed", "host_oom", "diverged"):
-        summary = Outcome.from_dict(outcome).summary
+        try:
+            summary = Outcome.from_dict(outcome).summary
+        except (TypeError, ValueError, AttributeError):  # stored by an oomguard that took any outcome.json
+            summary = str(outcome.get("message") or "").strip().partition("\n")[0]
         ended += f": {summary}" if summary else ""
     return ended
 
@@ -373,12 +476,15 @@ def _print_runner_record(outcome: dict[str, Any]) -> None:
     from oomguard.strategies.outcome import format_bytes
 
     for change in outcome.get("recoveries") or []:
-        print(f"    step {change['step']}, in the runner: [{_short_plan(change['from'])}] -> [{_short_plan(change['to'])}]: {change['reason']}")
+        if not isinstance(change, dict):
+            continue
+        why = f"{change['oom']}; {change.get('reason')}" if isinstance(change.get("oom"), str) else change.get("reason")
+        _say(f"    step {change.get('step')}, in the runner: [{_short_plan(change.get('from'))}] -> [{_short_plan(change.get('to'))}]: {why}")
     for measured in outcome.get("measurements") or []:
         peak, capacity = format_bytes(measured["peak_bytes"]), format_bytes(measured.get("capacity"))
         what = f"peak {peak} of {capacity}" if measured["fits"] else f"out of memory (needed more than {peak} of {capacity})"
         speed = f", {measured['samples_per_s']:.1f} samples/s" if measured.get("samples_per_s") else ""
-        print(f"    measured [{_short_plan(measured['plan'])}]: {what}{speed}")
+        _say(f"    measured [{_short_plan(measured['plan'])}]: {what}{speed}")
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
@@ -387,6 +493,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
     # Per attempt log: how much of it is printed, and a decoder that keeps a character split
     # between two reads whole.
     printed: dict[str, tuple[int, codecs.IncrementalDecoder]] = {}
+    # The owner sees their own output as their program wrote it (colours, progress bars, as
+    # `cat` would show it); anyone else (root, an admin) sees it escaped but for its newlines,
+    # carriage returns and tabs: a job's output must not act on the terminal of whoever reads it.
+    own = job["owner_uid"] == os.geteuid() if job["owner_uid"] is not None else job["owner"] == current_user()
     while True:
         for attempt in store.attempts(job["id"]):
             directory = attempt["directory"]
@@ -395,7 +505,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 printed[directory] = (0, codecs.getincrementaldecoder("utf-8")(errors="replace"))
             offset, decoder = printed[directory]
             try:
-                printed[directory] = (_print_log_from(Path(directory) / LOG, offset, decoder), decoder)
+                printed[directory] = (_print_log_from(Path(directory) / LOG, offset, decoder, raw=own), decoder)
             except PermissionError:
                 raise CliError(f"cannot read {Path(directory) / LOG}: it belongs to {job['owner']}, whose job it is; ask them, or run it as root", EXIT_FAILED) from None
         if not args.follow or store.job(job["id"])["state"] in TERMINAL_STATES:
@@ -408,13 +518,15 @@ def cmd_logs(args: argparse.Namespace) -> int:
 LOG_BLOCK_BYTES = 1 << 16
 
 
-def _print_log_from(log: Path, offset: int, decoder: codecs.IncrementalDecoder) -> int:
-    """Print ``log`` from byte ``offset`` to its current end; returns the new end."""
+def _print_log_from(log: Path, offset: int, decoder: codecs.IncrementalDecoder, *, raw: bool = True) -> int:
+    """Print ``log`` from byte ``offset`` to its current end; returns the new end. Not ``raw``:
+    escaped but for newlines, carriage returns and tabs (text.escape)."""
     try:
         with log.open("rb") as f:
             f.seek(offset)
             for block in iter(lambda: f.read(LOG_BLOCK_BYTES), b""):
-                sys.stdout.write(decoder.decode(block))
+                text = decoder.decode(block)
+                sys.stdout.write(text if raw else escape(text, keep="\n\r\t"))
                 sys.stdout.flush()
                 offset += len(block)
     except FileNotFoundError:
@@ -425,20 +537,25 @@ def _print_log_from(log: Path, offset: int, decoder: codecs.IncrementalDecoder) 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Cancelling goes through the spool like submitting: the daemon checks who asks (the
     owner of the request file) against who owns the job, and answers in the store."""
-    from oomguard.daemon.spool import request_text, write_to_inbox
+    from oomguard.daemon.spool import request_text
 
     state, store = open_store(args.state_dir)
     job = find_job(store, args.job)
     if job["state"] in TERMINAL_STATES:
         raise CliError(f"job {job['id']} ({job['name']}) has already ended: {job['state']}", EXIT_FAILED)
-    spooled = write_to_inbox(state.inbox, f"cancel-{job['id']}", request_text("cancel", str(job["id"])), suffix=".request")
+    spooled = write_spool_file(state.inbox, f"cancel-{job['id']}", request_text("cancel", str(job["id"])), suffix=".request")
     deadline = time.monotonic() + args.wait
     while time.monotonic() < deadline:
-        answer = store.request_by_file(spooled.name)
+        _, answer = answer_to(store, spooled)
         if answer is not None:
+            if answer["job_id"] not in (None, job["id"]):
+                raise CliError(
+                    f"the daemon answered your request {spooled.name} about job {answer['job_id']}, not job {job['id']}: "
+                    "it is not your answer; run `oomguard cancel` again", EXIT_FAILED,
+                )
             if not answer["accepted"]:
                 raise CliError(f"refused: {answer['answer']}", EXIT_FAILED)
-            print(answer["answer"])
+            _say(answer["answer"])
             return EXIT_OK
         time.sleep(0.1)
     print(f"cancel request for job {job['id']} is in the spool; the daemon applies it when it runs (`oomguard daemon`)")
@@ -489,7 +606,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     if verdict.is_device_oom and verdict.device:
         where = f" ({verdict.device}" + (f":{verdict.gpu_index})" if verdict.gpu_index is not None else ")")
     print(f"verdict: {words[verdict.kind]}{where}")
-    print(f"why: {verdict.reason}")
+    _say(f"why: {verdict.reason}")
     sizes = [
         ("requested", verdict.requested),
         ("device total", verdict.total),
@@ -507,7 +624,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
         for label, n in known:
             print(f"  {label:<30} {describe_size(n):>12}")
     if verdict.message:
-        print(f"error: {verdict.message}")
+        _say(f"error: {verdict.message}")
     print(f"oomguard: {DIAGNOSE_ACTIONS[verdict.kind]}")
     return EXIT_OK
 
@@ -547,17 +664,46 @@ def _stop_on_signals(supervisor: Any, *, stop_jobs: bool = True) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+class _InertOutput:
+    """The daemon's standard output (its log), with every control character but the newline
+    escaped (text.escape) whatever printed it: the last guard of the log against a user's text
+    that some message quotes (a name in a refusal, an error's text). Where a line ends is
+    decided where a record is made (print_event, Supervisor.event)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(escape(text, keep="\n"))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, ...
+        return getattr(self.stream, name)
+
+
 def cmd_daemon(args: argparse.Namespace) -> int:
+    plain = sys.stdout
+    sys.stdout = _InertOutput(plain)
+    try:
+        return _daemon(args)
+    finally:
+        sys.stdout = plain
+
+
+def _daemon(args: argparse.Namespace) -> int:
     from oomguard.daemon.gpus import NoGpus, open_gpus
     from oomguard.daemon.monitor import GpuMonitor
     from oomguard.daemon.notifier import Notifier
     from oomguard.daemon.sd_notify import SystemdNotifier
-    from oomguard.daemon.spool import Spool
+    from oomguard.daemon.spool import DEFAULT_MAX_USER_PRIORITY, Spool
     from oomguard.daemon.supervisor import Supervisor
     from oomguard.daemon.users import InsecureStateDir, secure_state_dir, system_mode
 
     if args.max_parallel is not None and args.max_parallel < 1:
         raise CliError(f"--max-parallel must be at least 1, got {args.max_parallel}")
+    max_user_priority = DEFAULT_MAX_USER_PRIORITY if args.max_user_priority is None else args.max_user_priority
+    if not -(2**63) <= max_user_priority <= 2**63 - 1:
+        raise CliError(f"--max-user-priority must fit a 64-bit integer (a job's priority does), got {max_user_priority}")
     state = create_state_dir(args.state_dir)
     state.secrets.mkdir(mode=0o700, exist_ok=True)
     lock = _Lock(state.root / "daemon.lock")
@@ -584,6 +730,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     supervisor = Supervisor(
         state, store, max_parallel=args.max_parallel, emulate_device_memory=cap_schedule(args.emulate_device_memory), on_event=print_event,
         spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
+        max_user_priority=max_user_priority,
     )
     _stop_on_signals(supervisor, stop_jobs=args.stop_jobs)
     spool.start()
@@ -700,6 +847,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     daemon.add_argument("--admin-group", metavar="GROUP", default=None, help="members of GROUP may cancel anyone's job (system mode)")
     daemon.add_argument(
+        "--max-user-priority", type=int, default=None, metavar="N",
+        help="the highest priority a job may have unless its owner is root, the daemon's own user or in --admin-group (default 100)",
+    )
+    daemon.add_argument(
         "--notify-config", metavar="FILE", action="append", default=None,
         help="an apprise configuration file (repeatable; default: apprise's own, e.g. ~/.config/apprise/apprise.yml, /etc/apprise.yml)",
     )
@@ -789,7 +940,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_command(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit:
+        # --help (or a usage error) ends here; its text is flushed while a reader gone is
+        # still a BrokenPipeError main() handles, not lost at the interpreter's exit.
+        sys.stdout.flush()
+        raise
     if args.state_dir is None:
         args.state_dir = default_state_dir()
     try:
@@ -799,10 +956,11 @@ def _run_command(argv: list[str] | None) -> int:
         sys.stdout.flush()
         return code
     except CliError as error:
-        print(f"oomguard: {error}", file=sys.stderr)
+        # A message may quote a job file, a job's answer or a name: escaped, its own lines kept.
+        print(f"oomguard: {escape(error, keep=chr(10))}", file=sys.stderr)
         return error.code
     except JobNotFound as error:
-        print(f"oomguard: {error}", file=sys.stderr)
+        print(f"oomguard: {escape(error)}", file=sys.stderr)
         return EXIT_NOT_FOUND
 
 

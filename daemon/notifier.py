@@ -20,8 +20,10 @@ Design:
 - Redaction: notification URLs carry passwords and tokens, and the daemon's log is read
   by other people on a shared box. Every line this module logs is passed through
   ``redact_text`` with every URL it may contain, and URLs are named by apprise's privacy
-  rendering (``url(privacy=True)``) plus masking of HTTP header values, which apprise
-  prints in clear.
+  rendering (``url(privacy=True)``) plus masking of what apprise prints in clear: path
+  segments (a webhook's token: json://host/SECRET), HTTP header values and every query value
+  but apprise's plain settings. Lines are escaped (daemon/text.py): an error message a
+  server sends back cannot add a line of its own to the log.
 - Apprise's own log records (from the threads that call into apprise here) are caught by
   a filter on the ``apprise`` logger: warnings and errors become part of our one-line
   reports (redacted), the rest is dropped, so nothing of apprise's reaches stdout or the
@@ -43,11 +45,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 import apprise
 from apprise.config.file import ConfigFile
 
+from oomguard.daemon.text import escape
 from oomguard.jobs.sizes import format_size
 from oomguard.jobs.spec import DEFAULT_NOTIFY_EVENTS, NOTIFY_EVENTS
 
@@ -58,6 +61,7 @@ __all__ = [
     "Notifier",
     "compose",
     "default_config_paths",
+    "is_redacted",
     "redact_text",
     "redact_url",
 ]
@@ -99,28 +103,31 @@ class JobFacts:
 
 
 def compose(facts: JobFacts) -> tuple[str, str]:
-    """(title, body) of the message for ``facts``: one line per field, plain text."""
-    title = f"oomguard: job {facts.job_id} ({facts.job_name}) {facts.event}"
-    step = "unknown" if facts.step is None else str(facts.step)
+    """(title, body) of the message for ``facts``: one line per field, plain text. Each field
+    is one line whatever it holds (text.escape): a job's own text (what its runner reported)
+    cannot add a line or a terminal escape to the message."""
+    name = escape(facts.job_name)
+    title = f"oomguard: job {facts.job_id} ({name}) {escape(facts.event)}"
+    step = "unknown" if facts.step is None else escape(facts.step)
     if facts.max_steps is not None:
-        step += f" of {facts.max_steps}"
+        step += f" of {escape(facts.max_steps)}"
     memory = []
-    if facts.peak_bytes is not None:
+    if isinstance(facts.peak_bytes, (int, float)):
         memory.append(f"peak {format_size(facts.peak_bytes)}")
-    if facts.cap_bytes is not None:
+    if isinstance(facts.cap_bytes, (int, float)):
         memory.append(f"cap {format_size(facts.cap_bytes)}")
     body = "\n".join(
         [
-            f"job: {facts.job_id} ({facts.job_name})",
-            f"user: {facts.user}",
-            f"event: {facts.event}",
+            f"job: {facts.job_id} ({name})",
+            f"user: {escape(facts.user)}",
+            f"event: {escape(facts.event)}",
             f"attempts: {facts.attempts}",
-            f"plan: {facts.plan}",
+            f"plan: {escape(facts.plan)}",
             f"step: {step}",
             f"memory: {' of '.join(memory) if memory else 'not measured'}",
-            f"GPUs: {facts.gpus or 'none'}",
-            f"what happened: {facts.summary}",
-            f"what next: {facts.next_step}",
+            f"GPUs: {escape(facts.gpus) or 'none'}",
+            f"what happened: {escape(facts.summary)}",
+            f"what next: {escape(facts.next_step)}",
         ]
     )
     return title, body
@@ -179,49 +186,113 @@ _SCHEME_RE = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*)://")
 # Query parameters whose values are secrets even where apprise's privacy mode prints them:
 # "-Name" and "+Name" are HTTP headers and GET parameters of json://, xml://, form://.
 _SECRET_KEY_RE = re.compile(r"^[-+]|token|key|secret|pass|auth|sig|cred", re.IGNORECASE)
+# Query parameters of apprise's own that say how to send, never who to or with what key: their
+# values are shown. Every other value is masked (a webhook's ?token=, a payload field, a
+# recipient).
+_PLAIN_PARAMS = frozenset(
+    {
+        "album", "avatar", "batch", "blocks", "content", "cto", "detect", "discovery", "emojis", "fields", "footer",
+        "footer_logo", "format", "image", "mdv", "method", "mode", "optional", "overflow", "preview", "priority", "retry",
+        "rto", "silent", "smtp", "store", "timestamp", "tts", "tz", "verify", "version", "wait",
+    }
+)
 
 
-def _mask_query(url: str) -> str:
-    head, sep, query = url.partition("?")
-    if not sep:
-        return url
+def _mask_query(query: str) -> str:
+    """A query string with every value masked but those of _PLAIN_PARAMS."""
     parts = []
     for item in query.split("&"):
         name, eq, _value = item.partition("=")
-        parts.append(f"{name}={_MASK}" if eq and _SECRET_KEY_RE.search(unquote(name)) else item)
-    return f"{head}?{'&'.join(parts)}"
+        plain = unquote(name).lower() in _PLAIN_PARAMS and not _SECRET_KEY_RE.search(unquote(name))
+        parts.append(f"{name}={_MASK}" if eq and not plain else item)
+    return "&".join(parts)
+
+
+def _mask_rendered(rendered: str) -> str | None:
+    """Apprise's privacy rendering of a URL with what it leaves in clear masked too: every path
+    segment (a webhook's token is often its path: json://host/SECRET, ntfy://host/TOPIC), the
+    fragment, and every query value but apprise's plain settings. The scheme, user name, host
+    and port stay, so that a log line still says which server it means. None when the rendering
+    is not a URL."""
+    try:
+        split = urlsplit(rendered)
+    except ValueError:
+        return None
+    if not split.scheme or not split.netloc:
+        return None
+    netloc = split.netloc
+    userinfo, at, host = netloc.rpartition("@")
+    if at and split.password is not None:
+        netloc = f"{userinfo.partition(':')[0]}:{_MASK}@{host}"  # the login name stays, to tell servers apart
+    elif at:
+        netloc = f"{_MASK}@{host}"  # a user name without a password is often the token itself (https://TOKEN@host)
+    path = "/".join(_MASK if segment else "" for segment in split.path.split("/"))
+    query = _mask_query(split.query) if split.query else ""
+    return urlunsplit((split.scheme, netloc, path, query, _MASK if split.fragment else ""))
 
 
 @functools.lru_cache(maxsize=512)
 def redact_url(url: str) -> str:
-    """The URL with its secrets (passwords, tokens, keys) masked, as apprise's privacy mode
-    renders it; a URL apprise cannot parse is reduced to its scheme plus '://…' (never
-    returned in clear)."""
+    """The URL as anyone but the daemon may see it: apprise's privacy rendering (passwords and
+    the tokens apprise knows of masked, or shortened to their first and last character), with
+    every path segment, fragment and query value but apprise's plain settings masked as well
+    (``json://host:8080/****?method=POST&...``). A URL apprise cannot parse is reduced to its
+    scheme plus '://…' (never returned in clear)."""
     with _captured():  # apprise logs unparseable URLs in clear; keep that to ourselves
         try:
             plugin = apprise.Apprise.instantiate(url, asset=_asset())
             rendered = plugin.url(privacy=True) if plugin is not None else None
         except Exception:  # a plugin's bug must not turn into a secret in a log line
             rendered = None
-    if rendered:
-        return _mask_query(rendered)
+    masked = _mask_rendered(rendered) if rendered else None
+    if masked:
+        return masked
     match = _SCHEME_RE.match(url)
     return f"{match.group(1)}://…" if match else "…"
 
 
-def _secret_parts(url: str) -> list[str]:
-    """Pieces of ``url`` that may show up alone in an error message: its password and the
-    values of header or secret-looking query parameters."""
-    parts: list[str] = []
+def is_redacted(url: str) -> bool:
+    """Whether ``url`` has nothing left that redact_url masks: no password, no path segment,
+    fragment or query value (but apprise's plain settings) in clear. For forms stored by an
+    older oomguard, which kept webhook paths in clear."""
+    if url.endswith("://…") or url == "…":
+        return True
+    try:
+        split = urlsplit(url)
+    except ValueError:
+        return False
+    if split.password not in (None, _MASK) or split.fragment not in ("", _MASK):
+        return False
+    if split.password is None and split.username not in (None, _MASK):
+        return False
+    if any(segment not in ("", _MASK) for segment in split.path.split("/")):
+        return False
+    return not split.query or _mask_query(split.query) == split.query
+
+
+def _secret_parts(url: str) -> tuple[list[str], list[str]]:
+    """Pieces of ``url`` that may show up alone in an error message: (those masked wherever they
+    appear: its password and the values of its query parameters; those masked where they stand
+    as a word of their own: its path segments, its fragment, and its host when the redacted
+    form does not show it, as for tgram://BOTTOKEN/...)."""
+    anywhere: list[str] = []
+    words: list[str] = []
     with contextlib.suppress(ValueError):
         split = urlsplit(url.strip())
         if split.password:
-            parts += [split.password, unquote(split.password)]
+            anywhere += [split.password, unquote(split.password)]
+        elif split.username:
+            anywhere += [split.username, unquote(split.username)]
         for name, value in parse_qsl(split.query):
-            if _SECRET_KEY_RE.search(name):
-                parts.append(value)
-    # Short pieces ("no", "1") would mask ordinary words all over the line.
-    return [part for part in parts if len(part) >= 4]
+            if unquote(name).lower() not in _PLAIN_PARAMS or _SECRET_KEY_RE.search(name):
+                anywhere.append(value)
+        for piece in [*split.path.split("/"), split.fragment]:
+            words += [piece, unquote(piece)]
+        host = split.hostname or ""
+        if host and host not in redact_url(url):
+            words += [host, split.netloc.rpartition("@")[2]]
+    # Short pieces ("no", "1", "api") would mask ordinary words all over the line.
+    return [part for part in anywhere if len(part) >= 4], [part for part in words if len(part) >= 4]
 
 
 # "scheme://user:password@" anywhere in a text, for URLs nobody told us about (apprise's
@@ -231,8 +302,8 @@ _USERINFO_RE = re.compile(r"(://[^\s/:@]*:)[^\s/@]+@")
 
 def redact_text(text: str, urls: Iterable[str]) -> str:
     """``text`` with every occurrence of each url replaced by ``redact_url(url)`` (and any
-    password or header value of it that appears on its own masked, as is the password of
-    any other ``scheme://user:password@`` in the text)."""
+    password, path segment or query value of it that appears on its own masked, as is the
+    password of any other ``scheme://user:password@`` in the text)."""
     urls = sorted({url for url in urls if url}, key=len, reverse=True)  # longest first
     for number, url in enumerate(urls):
         if url in text:
@@ -242,8 +313,11 @@ def redact_text(text: str, urls: Iterable[str]) -> str:
             placeholder = f"\0{number}\0"
             text = text.replace(redacted, placeholder).replace(url, redacted).replace(placeholder, redacted)
     for url in urls:
-        for part in _secret_parts(url):
+        anywhere, words = _secret_parts(url)
+        for part in sorted(anywhere, key=len, reverse=True):
             text = text.replace(part, _MASK)
+        for part in sorted(set(words), key=len, reverse=True):
+            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(part)}(?![A-Za-z0-9])", _MASK, text)
     return _USERINFO_RE.sub(rf"\1{_MASK}@", text)
 
 
@@ -493,7 +567,7 @@ class Notifier:
             full = service.url()
             if full not in seen:
                 seen.add(full)
-                deliveries.append(_Delivery(message, service, _mask_query(service.url(privacy=True)), (full,)))
+                deliveries.append(_Delivery(message, service, redact_url(full), (full,)))
         for url in message.urls:
             with _captured() as problems:
                 try:
@@ -573,4 +647,4 @@ class Notifier:
         """Log one line with every URL it may contain redacted; a broken log callable must
         not break delivery."""
         with contextlib.suppress(Exception):
-            self._log(redact_text(line, [*urls, *self._global_urls]))
+            self._log(escape(redact_text(line, [*urls, *self._global_urls])))

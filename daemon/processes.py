@@ -73,9 +73,23 @@ def descendants(pid: int) -> set[int]:
     return found
 
 
-def marks() -> dict[int, str]:
+def real_uid(pid: int) -> int | None:
+    """The user a live process runs as (its real uid, /proc/PID/status), None when it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def marks(uid: int | None = None) -> dict[int, str]:
     """pid -> attempt directory, for every live process that carries an attempt's mark (of
-    those we may read: our own user's, or all as root)."""
+    those we may read: our own user's, or all as root). With ``uid``, only that user's
+    processes: the mark is an environment variable anyone may put in their own processes, so
+    as root only the attempt's owner's count as the attempt's (another user's process marked
+    with it must neither be counted as its memory nor be ended with it)."""
     prefix = f"{ATTEMPT_DIR_ENV}=".encode()
     found: dict[int, str] = {}
     for pid in _parents():
@@ -85,14 +99,15 @@ def marks() -> dict[int, str]:
             continue  # another user's process, or gone
         for variable in environment.split(b"\0"):
             if variable.startswith(prefix):
-                found[pid] = variable[len(prefix):].decode(errors="replace")
+                if uid is None or real_uid(pid) == uid:
+                    found[pid] = variable[len(prefix):].decode(errors="replace")
                 break
     return found
 
 
-def marked_with(attempt_dir: str) -> set[int]:
-    """The live processes marked as processes of ``attempt_dir``."""
-    return {pid for pid, mark in marks().items() if mark == attempt_dir}
+def marked_with(attempt_dir: str, uid: int | None = None) -> set[int]:
+    """The live processes marked as processes of ``attempt_dir`` (with ``uid``: of that user)."""
+    return {pid for pid, mark in marks(uid).items() if mark == attempt_dir}
 
 
 def of_attempt(shim_pid: int | None, attempt_dir: str) -> set[int]:

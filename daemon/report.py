@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from oomguard.daemon.text import escape
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, OUTCOME, read_json
 from oomguard.strategies.outcome import Outcome, format_bytes
 from oomguard.strategies.plan import Plan
@@ -303,7 +304,7 @@ def _oom_markers(attempt: AttemptSeries, outcome: dict[str, Any] | None, recover
     if failed:
         probe_count = max(0, len(failed) - len(in_process))
         for index, measurement in enumerate(failed):
-            step = int(measurement.get("step") or 0)
+            step = _int_or_none(measurement.get("step")) or 0
             kind: OomKind = "probe" if index < probe_count else "in-process"
             time = attempt.started_at if kind == "probe" else _time_of_step(attempt, step)
             cap = _int_or_none(measurement.get("capacity")) or _cap_at(attempt, time)
@@ -314,18 +315,18 @@ def _oom_markers(attempt: AttemptSeries, outcome: dict[str, Any] | None, recover
     else:
         # No measurements (a runner that did not write them): each in-process rung was an OOM.
         for recovery in in_process:
-            step = int(recovery.get("step") or 0)
+            step = _int_or_none(recovery.get("step")) or 0
             time = _time_of_step(attempt, step)
             markers.append(OomMarker(attempt.number, time, _cap_at(attempt, time), step, "in-process", f"in-process OOM @{step}"))
     if attempt.outcome_kind == "oom":
         step = outcome.get("step")
         step = int(step) if isinstance(step, int) else (attempt.points[-1].step if attempt.points else 0)
         cap = _cap_at(attempt, attempt.end) or _int_or_none(memory.get("total"))
-        if cap is None and memory.get("allocated") is not None:
-            cap = int(memory["allocated"]) + int(memory.get("requested") or 0)
+        if cap is None and _int_or_none(memory.get("allocated")) is not None:
+            cap = int(memory["allocated"]) + (_int_or_none(memory.get("requested")) or 0)
         phase = outcome.get("phase")
         label = f"OOM @{step}" + (f" {phase}" if phase else "")
-        if memory.get("requested"):
+        if _int_or_none(memory.get("requested")):
             label += f", +{format_bytes(int(memory['requested']))}"
         markers.append(OomMarker(attempt.number, attempt.end, cap, step, "ended", label))
     return markers
@@ -334,7 +335,7 @@ def _oom_markers(attempt: AttemptSeries, outcome: dict[str, Any] | None, recover
 def _runner_rungs(attempt: AttemptSeries, recoveries: list[dict[str, Any]]) -> list[RungMarker]:
     markers = []
     for recovery in recoveries:
-        step = int(recovery.get("step") or 0)
+        step = _int_or_none(recovery.get("step")) or 0
         probe = str(recovery.get("reason", "")).startswith("probe")
         time = attempt.started_at if probe else _time_of_step(attempt, step)
         to = _plan_text(recovery.get("to"))
@@ -417,7 +418,9 @@ def _float_or_none(value: Any) -> float | None:
 
 
 def _shorten(text: str, width: int) -> str:
-    return textwrap.shorten(" ".join(text.split()), width=width, placeholder="…")
+    """One line of at most ``width`` characters, escaped (text.escape): what it shortens comes
+    from a runner's files, which its owner may fill with anything."""
+    return textwrap.shorten(escape(" ".join(text.split())), width=width, placeholder="…")
 
 
 # Drawing ------------------------------------------------------------------------------------
@@ -442,11 +445,21 @@ def _memory_unit(largest: float) -> tuple[str, float]:
 
 
 def draw_report(data: ReportData, out: Path) -> Path:
-    """Draw `data` as a 1400 x 900 PNG at `out` (written whole or not at all); return `out`."""
+    """Draw `data` as a 1400 x 900 PNG at `out` (written whole or not at all); return `out`.
+    Its text is drawn as written: never as TeX math (a "$" in a runner's message is a dollar,
+    and a malformed formula cannot make the drawing fail), with control characters escaped."""
+    import matplotlib
+
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _draw_report(data, out)
+
+
+def _draw_report(data: ReportData, out: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
+    from matplotlib.text import Text
     from matplotlib.transforms import blended_transform_factory
 
     out = Path(out)
@@ -575,6 +588,10 @@ def draw_report(data: ReportData, out: Path) -> Path:
         bottom.text(0.5, 0.5, "no samples/s measured yet (no attempt finished a step)", transform=bottom.transAxes, ha="center", va="center", fontsize=10)
     bottom.set_xlabel("samples/s: bar = median over the steps run under each plan, dots = single steps")
     bottom.set_title("throughput per plan", fontsize=10, loc="left")
+
+    # Every text of the figure (titles, labels, the legend), escaped but for its own lines.
+    for text in fig.findobj(Text):
+        text.set_text(escape(text.get_text(), keep="\n"))
 
     # Labels into rows where they neither cover one another nor leave the panel.
     fig.draw_without_rendering()

@@ -1,10 +1,16 @@
-"""The attempt shim: ``python -m oomguard.daemon.shim ATTEMPT_DIR [--cwd DIR] -- COMMAND...``.
+"""The attempt shim: ``python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] -- COMMAND...``.
 
 The daemon starts one per attempt, in a session of its own and (in system mode) as the job's
-owner. The shim writes the attempt's configuration (given on its standard input) into the
-attempt directory, starts COMMAND (the runner, or a user's command; in DIR, a command job's
-[command] cwd, entered as the owner) with its output going to the job log, waits for it, and
-records how it ended in ``exit.json``. The attempt therefore
+owner. The shim enters the job's workdir (--workdir), writes the attempt's configuration
+(given on its standard input) into the attempt directory, starts COMMAND (the runner, or a
+user's command; in --cwd, a command job's [command] cwd, else in the workdir) with its output
+going to the job log, waits for it, and records how it ended in ``exit.json``.
+
+Every folder of the job is entered here, as the owner, never by the daemon: the daemon starts
+the shim in / (subprocess.Popen changes to its ``cwd=`` *before* it drops root's rights, so a
+``cwd=`` of the user's would be entered with root's, through whatever links the user put on its
+path). A workdir the owner cannot enter, or an attempt folder they cannot create, ends the shim
+with CANNOT_USE_FOLDER and what went wrong on its standard error. The attempt therefore
 does not depend on the daemon: a daemon that is restarted, upgraded or killed finds the exit
 status there, or adopts the shim while it still runs (by pid and start time).
 
@@ -32,9 +38,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pwd
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -44,6 +52,11 @@ from oomguard.jobs.attempt import CONFIG, HEARTBEAT, LOG, METRICS, OUTCOME, SCHE
 from oomguard.jobs.bootstrap import oomguard_ranks
 
 EXIT_STATUS = "exit.json"
+# The shim's exit status when it cannot enter the workdir or create the attempt's folder in it
+# (as the owner): nothing ran, and there is nowhere to write exit.json.
+CANNOT_USE_FOLDER = 3
+# The most of a failed process's error the shim's line quotes (a CUDA OOM's is ~600 characters).
+ERROR_CHARS = 1000
 # How often the shim looks for a failed rank's mark while the command runs.
 POLL_SECONDS = 0.2
 # How long the attempt's processes have between SIGTERM and SIGKILL once one rank has failed
@@ -52,13 +65,44 @@ TEARDOWN_GRACE_SECONDS = 3.0
 _PR_SET_CHILD_SUBREAPER = 36
 
 
-def _arguments(args: list[str]) -> tuple[Path, str | None, list[str]] | None:
-    """ATTEMPT_DIR [--cwd DIR] -- COMMAND...: the folder, the cwd and the command (None: bad usage)."""
-    cwd = args[2] if len(args) > 2 and args[1] == "--cwd" else None
-    separator = 3 if cwd is not None else 1
-    if len(args) < separator + 2 or args[separator] != "--":
+def _arguments(args: list[str]) -> tuple[Path, dict[str, str], list[str]] | None:
+    """ATTEMPT_DIR [--workdir DIR] [--cwd DIR] -- COMMAND...: the folder, the options given
+    ({"--workdir": DIR, "--cwd": DIR}) and the command (None: bad usage)."""
+    if not args:
         return None
-    return Path(args[0]), cwd, args[separator + 1 :]
+    options: dict[str, str] = {}
+    at = 1
+    while at + 1 < len(args) and args[at] in ("--workdir", "--cwd") and args[at] not in options:
+        options[args[at]] = args[at + 1]
+        at += 2
+    if len(args) < at + 2 or args[at] != "--":
+        return None
+    return Path(args[0]), options, args[at + 1 :]
+
+
+def _prepare(attempt_dir: Path, workdir: str | None, config: str) -> str | None:
+    """Enter the workdir and make the attempt's folder, as the owner: None, or why not."""
+    where = f"enter its workdir {workdir}"
+    try:
+        if workdir is not None:
+            os.chdir(workdir)
+        where = f"use its folder {attempt_dir}"
+        attempt_dir.mkdir(parents=True, exist_ok=True)
+        _clear_stale_files(attempt_dir)
+        if config:
+            temporary = attempt_dir / f".{CONFIG}.tmp"
+            temporary.write_text(config)
+            temporary.replace(attempt_dir / CONFIG)
+    except OSError as error:
+        return f"oomguard: the attempt cannot {where} as {_user()}: {error.strerror or error}"
+    return None
+
+
+def _user() -> str:
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return f"uid {os.geteuid()}"
 
 
 def _clear_stale_files(attempt_dir: Path) -> None:
@@ -74,16 +118,15 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parsed = _arguments(args)
     if parsed is None:
-        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--cwd DIR] -- COMMAND [ARG...]", file=sys.stderr)
+        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] -- COMMAND [ARG...]", file=sys.stderr)
         return 2
-    attempt_dir, cwd, command = parsed
+    attempt_dir, options, command = parsed
+    cwd = options.get("--cwd")
     config = sys.stdin.read()
-    attempt_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_files(attempt_dir)
-    if config:
-        temporary = attempt_dir / f".{CONFIG}.tmp"
-        temporary.write_text(config)
-        temporary.replace(attempt_dir / CONFIG)
+    problem = _prepare(attempt_dir, options.get("--workdir"), config)
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return CANNOT_USE_FOLDER
     _become_subreaper()
 
     def ours() -> set[int]:
@@ -151,10 +194,21 @@ def _wait(child: subprocess.Popen[bytes], attempt_dir: Path, ours: Any, log: IO[
         marks = oomguard_ranks.recorded(str(attempt_dir))
         if marks:
             first = marks[0]
-            rank = f"rank {first['rank']} " if first.get("rank") is not None else ""
-            _say(log, f"{rank}(pid {first['pid']}) died of {first['error'][:300]}; stopping every process of the attempt")
+            _say(log, f"{_who(first)} died of {_clipped(first['error'])}; stopping every process of the attempt")
             status["torn_down_at"] = time.time()
             processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
+
+
+def _who(mark: dict[str, Any]) -> str:
+    """The process a failure mark is of: "rank 0 (pid 1234, python3 train.py)"."""
+    program = mark.get("program")
+    process = f"pid {mark['pid']}, {program}" if isinstance(program, str) and program else f"pid {mark['pid']}"
+    return f"rank {mark['rank']} ({process})" if mark.get("rank") is not None else f"the process ({process})"
+
+
+def _clipped(error: str) -> str:
+    """An error message on one line, at most ERROR_CHARS long, cut between words."""
+    return textwrap.shorten(error, width=ERROR_CHARS, placeholder=" …")
 
 
 def _say(log: IO[bytes], text: str) -> None:

@@ -26,6 +26,17 @@ class JobNotFound(LookupError):
     """No job has that id or name."""
 
 
+class AmbiguousJobName(LookupError):
+    """A name that several jobs have, none of them the asker's or several of them; str() lists the ids."""
+
+
+def _listed(items: Iterator[str], most: int = 10) -> str:
+    """At most ``most`` items, then how many more: an error message stays a few lines."""
+    items = list(items)
+    more = f" and {len(items) - most} more (`oomguard status --all` lists them)" if len(items) > most else ""
+    return ", ".join(items[:most]) + more
+
+
 def _create_tables(db: sqlite_utils.Database) -> None:
     db["jobs"].create(
         {
@@ -200,6 +211,34 @@ class Store:
             raise JobNotFound(f"no job {text!r}; `oomguard status` lists the jobs")
         return rows[0]
 
+    def job_for(self, key: int | str, uid: int, user: str | None = None) -> dict[str, Any]:
+        """The job the user ``uid`` (named ``user``) means by ``key``: an id is that job,
+        whoever's it is; a name is their own job of that name, else the one job of anyone else
+        that has it. Several of their own, or several of others' and none of their own, is
+        AmbiguousJobName, which lists the ids to use instead.
+
+        Why not the newest job of the name (Store.job): another user who named a job like
+        yours made your `show`/`cancel NAME` land on theirs."""
+        text = str(key)
+        if text.isdigit():
+            return self.job(text)
+        rows = list(self.db.query("select * from jobs where name = ? order by id", [text]))
+        if not rows:
+            raise JobNotFound(f"no job {text!r}; `oomguard status` lists the jobs")
+        # owner_uid is None only for jobs recorded before it was: their owner's name says.
+        own = [row for row in rows if row["owner_uid"] == uid or (row["owner_uid"] is None and user is not None and row["owner"] == user)]
+        if len(own) == 1:
+            return own[0]
+        if len(own) > 1:
+            listed = _listed(f"{row['id']} ({row['state']})" for row in own)
+            raise AmbiguousJobName(f"several of your jobs are named {text!r}: {listed}; name the one you mean by its id, e.g. {own[-1]['id']}")
+        if len(rows) == 1:
+            return rows[0]
+        listed = _listed(f"{row['id']} ({row['owner']}, {row['state']})" for row in rows)
+        raise AmbiguousJobName(
+            f"you have no job named {text!r}, and several other users' jobs are named so: {listed}; name the one you mean by its id"
+        )
+
     def jobs(self) -> list[dict[str, Any]]:
         return list(self.db.query("select * from jobs order by id"))
 
@@ -213,6 +252,16 @@ class Store:
 
     def update_job(self, job_id: int, **fields: Any) -> None:
         self.db["jobs"].update(job_id, fields)
+
+    def note_waiting(self, reason: str, replaces: str) -> None:
+        """Give ``reason`` to every queued job that says nothing about why it waits, or an older
+        reason that starts with ``replaces`` (one statement: a queue of 10,000 jobs is one write)."""
+        with self.db.conn:
+            self.db.conn.execute(
+                "UPDATE jobs SET waiting = ?, waiting_since = COALESCE(waiting_since, ?) WHERE state = 'queued' "
+                "AND (waiting IS NULL OR (substr(waiting, 1, ?) = ? AND waiting != ?))",
+                (reason, time.time(), len(replaces), replaces, reason),
+            )
 
     def request_cancel(self, job_id: int) -> None:
         self.db["jobs"].update(job_id, {"cancel_requested": 1})

@@ -13,7 +13,6 @@ import os
 import pwd
 import re
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -24,14 +23,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard.daemon import processes
+from oomguard.daemon.job_secrets import public_spec, secrets_of, shows_secrets, with_env
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.placement import Holder, Need, Placed, place
-from oomguard.daemon.shim import EXIT_STATUS
-from oomguard.daemon.spool import Arrival, Request, Spool
-from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
+from oomguard.daemon.shim import CANNOT_USE_FOLDER, EXIT_STATUS
+from oomguard.daemon.spool import DEFAULT_MAX_USER_PRIORITY, Arrival, Request, Spool, priority_refusal
+from oomguard.daemon.store import TERMINAL_STATES, AmbiguousJobName, JobNotFound, Store
+from oomguard.daemon.text import escape, escape_block
 from oomguard.daemon.users import Account, PermissionRefused, check_may_change, child_environment, make_user_directory, spawn_options, system_mode
-from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, open_regular, read_json
+from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, AttemptFiles, attempt_files, read_json
 from oomguard.jobs.command import ATTEMPT_ENV, BOOTSTRAP_DIR, last_step_count, render
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV
@@ -43,6 +44,7 @@ from oomguard.strategies.memory_model import MARGIN_RAN
 from oomguard.strategies.oom_text import read_oom, read_tail
 from oomguard.strategies.outcome import Outcome, format_bytes
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.planner import describe_change
 
 if TYPE_CHECKING:
     from oomguard.daemon.notifier import Notifier
@@ -69,6 +71,8 @@ STALL_SECONDS = 1800.0
 # attempts are still collected and systemd's watchdog still hears from the daemon).
 FULL_PASS_SECONDS = 10.0
 PASS_SECONDS = 1.0
+# How a queued job's note begins while it waits only for a slot (status' note column).
+SLOTS_TAKEN = "queued behind running job(s) "
 
 
 @dataclass
@@ -81,7 +85,7 @@ class _Running:
 
 
 def outcome_without_report(
-    attempt_dir: Path, returncode: int | None, failed_process: dict[str, Any] | None = None, oom_kills: int | None = None,
+    attempt_dir: Path | AttemptFiles, returncode: int | None, failed_process: dict[str, Any] | None = None, oom_kills: int | None = None,
     plan: Plan | None = None,
 ) -> Outcome:
     """How an attempt ended whose runner wrote no outcome.json (killed, died hard, or a user
@@ -92,13 +96,15 @@ def outcome_without_report(
     stopped after it. ``oom_kills`` is how many processes the kernel's OOM killer ended while
     the attempt ran (exit.json, daemon/kernel_oom.py): a failed attempt during which it struck
     ran out of host memory, even though a SIGKILL leaves no message. ``plan``: the attempt's,
-    for what a command job's script reported through the bootstrap (jobs/script_report.py)."""
+    for what a command job's script reported through the bootstrap (jobs/script_report.py).
+    ``attempt_dir``: the daemon passes the AttemptFiles it opened as the owner's."""
+    files = attempt_files(attempt_dir)
     if returncode is None:
         fallback = Outcome(kind="crashed", message="the attempt was killed with its shim (no exit status recorded), without reporting")
     else:
         fallback = Outcome.from_exit_status(returncode)
     try:
-        with open_regular(attempt_dir / LOG) as log:
+        with files.open(LOG) as log:
             text = read_tail(log, max_bytes=OUTPUT_TAIL_BYTES)
     except OSError:
         text = ""
@@ -107,7 +113,7 @@ def outcome_without_report(
     if isinstance(cause, str) and read_oom(cause).kind != "not_oom":
         verdict = read_oom(cause)
     # How far it got: the steps the bootstrap reported, else the script's own progress line.
-    script = read_script_report(attempt_dir, plan) if plan is not None else ScriptReport()
+    script = read_script_report(files, plan) if plan is not None else ScriptReport()
     step = script.step if script.step is not None else last_step_count(text) or 0
     measured = (script.measurement,) if script.measurement is not None else ()
     fallback = dataclasses.replace(fallback, resumed_from=script.resumed_from, measurements=measured)
@@ -154,6 +160,7 @@ class Supervisor:
         notifier: Notifier | None = None,
         admin_group: str | None = None,
         stall_seconds: float = STALL_SECONDS,
+        max_user_priority: int | None = DEFAULT_MAX_USER_PRIORITY,
     ) -> None:
         self.state = state
         self.store = store
@@ -167,6 +174,9 @@ class Supervisor:
         self.notifier = notifier
         self.admin_group = admin_group
         self.stall_seconds = stall_seconds
+        # The highest priority a job from the spool may have unless its owner is root, the
+        # daemon's own user or an admin (None: no cap).
+        self.max_user_priority = max_user_priority
         self.stopping = False
         self.leaving = False
         self._running: dict[int, _Running] = {}
@@ -180,11 +190,17 @@ class Supervisor:
         self._not_before: dict[int, float] = {}
         self._last_pass: tuple[Any, ...] | None = None
         self._last_pass_at = 0.0
+        self._hide_stored_secrets()
         self._adopt()
 
     # Events and notifications ---------------------------------------------------------------
 
-    def event(self, job: dict[str, Any], kind: str, message: str, *, next_step: str | None = None) -> None:
+    def event(self, job: dict[str, Any], kind: str, message: str, *, next_step: str | None = None, report: str | None = None) -> None:
+        """Record, print and (with ``next_step``: what its people may do) notify what happened to
+        a job. ``message`` is one line whatever it quotes (a runner's message may hold newlines and
+        terminal escapes: text.escape shows them), so that a user's text can never write a line of
+        its own into the daemon's log; the doctor's ``report`` follows on lines of its own."""
+        message = escape(message) + ("\n" + escape(report, keep="\n") if report else "")
         self.store.add_event(job["id"], kind, message)
         if self.on_event is not None:
             self.on_event(job, kind, message)
@@ -199,7 +215,10 @@ class Supervisor:
         job = self.store.job(job["id"])
         spec = JobSpec.from_dict(json.loads(job["spec"]))
         attempts = self.store.attempts(job["id"])
-        heartbeat = (read_json(_attempt_files(attempts[-1]) / HEARTBEAT) or {}) if attempts else {}
+        heartbeat: Any = {}
+        if attempts:
+            with self._files(attempts[-1]) as files:
+                heartbeat = files.read_json(HEARTBEAT) or {}
         heartbeat = heartbeat if isinstance(heartbeat, dict) else {}
         outcome = json.loads(attempts[-1]["outcome"]) if attempts and attempts[-1]["outcome"] else {}
         oom = outcome.get("memory") or {}
@@ -221,43 +240,70 @@ class Supervisor:
         )
         self.notifier.notify(facts, urls=self._secret_urls(job["id"]), tags=spec.notify.tags, events=spec.notify.events)
 
-    # Secrets: a job's own notification URLs are kept out of the shared store (it holds them
-    # redacted) in a file only the daemon can read.
+    # Secrets: a job's [command.env] values and its own notification URLs are kept out of the
+    # shared store (it holds them masked: job_secrets.public_spec) in a file only the daemon can
+    # read, STATE/secrets/<id>.json; from there they go into the job's processes and to apprise.
 
     def _secrets_file(self, job_id: int) -> Path:
         return self.state.secrets / f"{job_id}.json"
 
-    def _save_secret_urls(self, job_id: int, urls: tuple[str, ...]) -> None:
-        if not urls:
+    def _save_secrets(self, job_id: int, secrets: dict[str, Any]) -> None:
+        path = self._secrets_file(job_id)
+        if not secrets:
+            path.unlink(missing_ok=True)  # an earlier job of this id (a transaction rolled back) left it
             return
         self.state.secrets.mkdir(mode=0o700, parents=True, exist_ok=True)
-        descriptor = os.open(self._secrets_file(job_id), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(descriptor, "w") as handle:
-            json.dump({"urls": list(urls)}, handle)
+            json.dump(secrets, handle)
+
+    def _secrets(self, job_id: int) -> dict[str, Any]:
+        data = read_json(self._secrets_file(job_id))
+        return data if isinstance(data, dict) else {}
 
     def _secret_urls(self, job_id: int) -> tuple[str, ...]:
-        data = read_json(self._secrets_file(job_id)) or {}
-        return tuple(data.get("urls") or ())
+        return tuple(self._secrets(job_id).get("urls") or ())
+
+    def _hide_stored_secrets(self) -> None:
+        """Jobs stored by an older oomguard hold their [command.env] values (and webhook paths)
+        in clear in the store, which every user may read: their secrets move to the secrets
+        files (for jobs that may still run), the store keeps the masked form, and SQLite
+        overwrites the old text it frees (secure_delete) and folds its WAL back into the file."""
+        stored = [(job["id"], job["state"], json.loads(job["spec"])) for job in self.store.jobs()]
+        leaking = [(job_id, state, spec) for job_id, state, spec in stored if shows_secrets(spec)]
+        if not leaking:
+            return
+        self.store.db.execute("PRAGMA secure_delete = ON")
+        with self.store.atomic():
+            for job_id, state, spec in leaking:
+                if state not in TERMINAL_STATES:
+                    # The file holds the real URLs already (the store had them redacted); the env is new.
+                    self._save_secrets(job_id, {**secrets_of(spec), **self._secrets(job_id)})
+                self.store.update_job(job_id, spec=json.dumps(public_spec(spec)))
+        self.store.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self.store.db.execute("PRAGMA secure_delete = OFF")
+        print(f"oomguard: moved the [command.env] values and notification URLs of {len(leaking)} job(s) out of the store", flush=True)
 
     # Jobs -----------------------------------------------------------------------------------
 
     def add_job(self, spec: JobSpec, owner: Account, spool_file: str | None = None, workdir: str | None = None) -> int:
-        from oomguard.daemon.notifier import redact_url
-
-        stored = spec.replace(notify=spec.notify.without_urls(redact_url)) if spec.notify.urls else spec
-        job_id = self.store.add_job(
-            name=spec.name,
-            owner=owner.name,
-            owner_uid=owner.uid,
-            spec=stored.to_dict(),
-            priority=spec.priority,
-            workdir=workdir or spec.workdir,
-            plan=spec.initial_plan().to_dict(),
-            spool_file=spool_file,
-            emulate_device_memory=self.emulate_device_memory,
-            jobs_root=self.state.jobs,
-        )
-        self._save_secret_urls(job_id, spec.notify.urls)
+        full = spec.to_dict()
+        # The store keeps the masked form; the secrets file is written in the same transaction,
+        # so that no job is queued whose secrets were never written.
+        with self.store.atomic():
+            job_id = self.store.add_job(
+                name=spec.name,
+                owner=owner.name,
+                owner_uid=owner.uid,
+                spec=public_spec(full),
+                priority=spec.priority,
+                workdir=workdir or spec.workdir,
+                plan=spec.initial_plan().to_dict(),
+                spool_file=spool_file,
+                emulate_device_memory=self.emulate_device_memory,
+                jobs_root=self.state.jobs,
+            )
+            self._save_secrets(job_id, secrets_of(full))
         job = self.store.job(job_id)
         try:
             self._prepare_workdir(job, owner, default=not (workdir or spec.workdir))
@@ -270,14 +316,37 @@ class Supervisor:
     def _prepare_workdir(self, job: dict[str, Any], owner: Account, *, default: bool) -> None:
         """The job's workdir, owned by its owner: under the state directory the daemon makes it
         and hands it over; anywhere else it is made as the owner, so the kernel checks the
-        owner may write there."""
+        owner may write there, and kept under its real path as the owner resolves it (the
+        daemon later opens it without following links its users could make: _files)."""
         workdir = Path(job["workdir"])
         if default:
             workdir.mkdir(mode=0o750, parents=True, exist_ok=True)
             if system_mode() and owner.uid != os.geteuid():
                 os.chown(workdir, owner.uid, owner.gid)
             return
-        make_user_directory(workdir, owner)
+        real = str(make_user_directory(workdir, owner))
+        if real != job["workdir"]:
+            self.store.update_job(job["id"], workdir=real)
+            job["workdir"] = real
+
+    def _files(self, attempt: dict[str, Any]) -> AttemptFiles:
+        """What the attempt's processes wrote, opened as its owner's: the workdir is walked to
+        without following a link its owner could have put on its path, and it, attempts/, the
+        attempt's folder and each file read must be the owner's (jobs/attempt.py). Its owner can
+        swap any of them for a link into another user's folders at any time; the daemon (root)
+        then reads nothing, never that user's files. Close it (a context manager)."""
+        job = self.store.job(attempt["job_id"])
+        return AttemptFiles.owned_by(Path(os.path.abspath(attempt["directory"])), self._owner_uid(job), job["owner"])
+
+    def _owner_uid(self, job: dict[str, Any]) -> int:
+        """The uid of the job's owner; -1 (nobody's) for a job from before owner_uid was kept
+        whose user no longer exists."""
+        if job["owner_uid"] is not None:
+            return int(job["owner_uid"])
+        try:
+            return pwd.getpwnam(job["owner"]).pw_uid
+        except KeyError:
+            return -1
 
     def _owner(self, job: dict[str, Any]) -> Account:
         if job["owner_uid"] is not None:
@@ -303,7 +372,8 @@ class Supervisor:
 
     def _log_error(self, what: str, error: BaseException) -> None:
         tail = "".join(traceback.format_exception(error))[-3000:]
-        print(f"oomguard: error while {what}: {type(error).__name__}: {error}\n{tail}", flush=True)
+        # An error may quote what a user wrote: one line, then the traceback indented below it.
+        print(escape_block(f"oomguard: error while {what}: {type(error).__name__}: {error}", tail), flush=True)
 
     def _failed_on(self, job_id: int, what: str, error: BaseException) -> None:
         """An error of oomguard's while handling one job: the job ends, failed, with the error
@@ -333,20 +403,23 @@ class Supervisor:
 
     def _take_file(self, path: Path) -> None:
         assert self.spool is not None
-        existing = self.store.job_by_spool_file(path.name)
-        if existing is not None:
-            # Recorded before a crash that came before the move: just finish the move.
-            self.spool.accept(path, existing["id"])
-            return
-        if self.store.request_by_file(path.name) is not None:
-            self.spool.consume(path)
+        if self._taken_before(path):
             return
         result = self.spool.take(path)
         if isinstance(result, Arrival):
             try:
                 spawn_options(result.owner)  # a daemon not run as root runs only its own user's jobs
+                refusal = priority_refusal(result.owner, result.spec.priority, self.max_user_priority, self.admin_group, path.name)
+                if refusal is not None:
+                    raise PermissionRefused(refusal)
             except PermissionRefused as error:
-                print(f"rejected {path.name}: {self.spool.reject(path, str(error)).error}", flush=True)
+                rejection = self.spool.reject(path, str(error))
+                # The CLI that wrote the file finds the refusal by the file's name, as an answer.
+                self.store.add_request(
+                    file=result.spool_file, requester=result.owner.name, action="submit", job_key=result.spec.name,
+                    job_id=None, accepted=0, answer=rejection.error,
+                )
+                print(f"rejected {path.name}: {rejection.error}", flush=True)
                 return
             job_id = self.add_job(result.spec, result.owner, spool_file=result.spool_file)
             self.spool.accept(path, job_id)
@@ -356,6 +429,46 @@ class Supervisor:
         else:
             print(f"rejected {result.file}: {result.error}", flush=True)
 
+    def _taken_before(self, path: Path) -> bool:
+        """An inbox file whose name the store has recorded already: the daemon recorded it and
+        died before moving it (finish that), or someone else's file under a name that was used
+        (refused: a CLI finds its answer by the name of its file, so a name is never answered
+        twice, and never for another user). True when the file has been dealt with here."""
+        assert self.spool is not None
+        job = self.store.job_by_spool_file(path.name)
+        request = self.store.request_by_file(path.name) if job is None else None
+        if job is None and request is None:
+            return False
+        try:
+            owner = self.spool.owner(path)  # lstat: a link is refused by take(), like any other
+        except FileNotFoundError:
+            return True
+        except PermissionRefused:
+            return False
+        used = None
+        if job is not None:
+            if job["owner_uid"] != owner.uid and not (job["owner_uid"] is None and job["owner"] == owner.name):
+                used = f"job {job['id']} of {job['owner']}"
+            elif os.path.lexists(self.spool.accepted / f"{job['id']:06d}-{path.name}"):
+                used = f"your job {job['id']} ({job['name']})"
+            else:  # recorded before a crash that came before the move: just finish the move
+                self.spool.accept(path, job["id"])
+                return True
+        elif request is not None:
+            if request["requester"] != owner.name:
+                used = f"a file of {request['requester']}"
+            elif request["action"] == "submit":  # a job file refused earlier (moved to rejected/ first)
+                used = f"your job file refused at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(request['at']))}"
+            else:  # answered before a crash that came before the removal
+                self.spool.consume(path)
+                return True
+        error = (
+            f"{path.name}: this name was used already, by {used}; the daemon answers each name once, so give the file a new "
+            "name (`oomguard submit` and `oomguard cancel` pick a new unguessable one each time)"
+        )
+        print(f"rejected {path.name}: {self.spool.reject(path, error).error}", flush=True)
+        return True
+
     def _answer(self, request: Request) -> None:
         """Apply a user's request about a job if they may; the answer goes to the store, where
         the CLI that wrote the request reads it."""
@@ -363,12 +476,13 @@ class Supervisor:
         try:
             if request.action != "cancel":
                 raise PermissionRefused(f"unknown request {request.action!r} (oomguard knows: cancel)")
-            job = self.store.job(request.job)
+            # A name means the requester's own job first (Store.job_for); the CLI sends an id.
+            job = self.store.job_for(request.job, request.requester.uid, request.requester.name)
             label = f"job {job['id']} ({job['name']})"
             check_may_change(request.requester, self._owner(job).uid, "cancel", label, self.admin_group)
             if job["state"] in TERMINAL_STATES:
                 raise PermissionRefused(f"{label} has already ended: {job['state']}")
-        except (PermissionRefused, JobNotFound) as error:
+        except (PermissionRefused, JobNotFound, AmbiguousJobName) as error:
             answer, accepted = str(error), False
         else:
             self.store.request_cancel(job["id"])
@@ -389,6 +503,7 @@ class Supervisor:
             return
         limit = self.max_parallel if self.max_parallel is not None else (None if self.gpus is not None else 1)
         if limit is not None and len(self._running) >= limit:
+            self._note_slots_taken(limit)
             return
         # What the GPUs hold is read once per pass, and again only after an attempt started.
         gpus = self.gpus.read() if self.gpus is not None else None
@@ -409,6 +524,7 @@ class Supervisor:
         deadline = time.monotonic() + PASS_SECONDS
         for job in queued:
             if limit is not None and len(self._running) >= limit:
+                self._note_slots_taken(limit)
                 return
             if time.monotonic() > deadline:
                 self._last_pass = None  # the rest of the queue next tick
@@ -429,6 +545,12 @@ class Supervisor:
                 gpus = self.gpus.read()  # type: ignore[union-attr]
                 holders = self._holders(gpus)
                 answers.clear()
+
+    def _note_slots_taken(self, limit: int) -> None:
+        """Queued jobs that wait only for a slot say so, and for which jobs (status' note)."""
+        running = ", ".join(str(job_id) for job_id in sorted(r.job_id for r in self._running.values()))
+        why = f"--max-parallel {limit}" if self.max_parallel is not None else "without GPUs the daemon runs one at a time; --max-parallel raises it"
+        self.store.note_waiting(f"{SLOTS_TAKEN}{running} ({why})", replaces=SLOTS_TAKEN)
 
     def _spec(self, job: dict[str, Any]) -> JobSpec:
         """The job's spec, parsed once (a job's file never changes once it is queued)."""
@@ -506,10 +628,11 @@ class Supervisor:
             job = self.store.job(attempt["job_id"])
             spec = self._spec(job)
             need = self._need(job, spec)
+            owner = self._owner_uid(job)
             for index in (int(i) for i in attempt["gpus"].split(",")):
                 used = sum(
                     p.used_bytes for g in gpus if g.index == index for p in g.processes
-                    if marked.get(p.pid) == attempt["directory"] or _in_group(p.pid, attempt["pid"])
+                    if (marked.get(p.pid) == attempt["directory"] and processes.real_uid(p.pid) == owner) or _in_group(p.pid, attempt["pid"])
                 )
                 holders.setdefault(index, []).append(Holder(job["id"], spec.resources.share, need.free_bytes, used))
         return holders
@@ -518,7 +641,8 @@ class Supervisor:
         spec = self._spec(job)
         plan = Plan.from_dict(json.loads(job["plan"]))
         number = len(self.store.attempts(job["id"])) + 1
-        workdir = Path(job["workdir"])
+        # Absolute: the shim starts in / (a --state-dir given as a relative path makes relative workdirs).
+        workdir = Path(os.path.abspath(job["workdir"]))
         attempt_dir = workdir / "attempts" / f"{number:03d}"
         config = AttemptConfig(
             job=spec,
@@ -562,17 +686,21 @@ class Supervisor:
                 waiting_since=None,
             )
         runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
-        shim_options: list[str] = []
+        # Every folder of the job is entered by the shim, as the job's owner, never by the
+        # daemon: Popen changes to its cwd= before it drops root's rights, so the shim starts
+        # in / and enters the workdir itself (daemon/shim.py). The daemon (root, in system
+        # mode) must not enter a folder for them that they may not, follow a link they put on
+        # its path, nor tell them, by failing here or not, whether a folder exists that they
+        # cannot see.
+        shim_options = ["--workdir", str(workdir)]
         if spec.command is not None:
             # The user's own script, with the plan's knobs in its arguments: the bootstrap
             # reports its steps, the shim's exit.json and the log's last error how it ended.
-            runner, extra_env = render(spec.command, plan, workdir, number)
+            # The store holds the job's [command.env] masked: the real values come from its secrets file.
+            runner, extra_env = render(with_env(spec.command, self._secrets(job["id"]).get("env") or {}), plan, workdir, number)
             env.update(extra_env)
             if spec.command.cwd:
-                # Entered by the shim, as the job's owner: the daemon (root, in system mode)
-                # must not enter a folder for them that they may not, nor tell them, by failing
-                # here or not, whether a folder exists that they cannot see.
-                shim_options = ["--cwd", spec.command.cwd]
+                shim_options += ["--cwd", spec.command.cwd]
             env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
         # The shim (as the owner, in a session of its own) writes attempt.json from its
         # standard input, runs the runner and records its exit status for any daemon to read.
@@ -583,17 +711,17 @@ class Supervisor:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 env=env,
-                cwd=workdir,
+                cwd="/",
                 start_new_session=True,
                 **credentials,
             )
         except OSError as error:
-            outcome = Outcome(kind="crashed", message=f"cannot start the attempt in its workdir {workdir}: {error.strerror or error}")
+            outcome = Outcome(kind="crashed", message=f"cannot start the attempt's shim ({sys.executable}) as {owner.name}: {error.strerror or error}")
             with self.store.atomic():
                 self.store.update_attempt(attempt_id, ended_at=time.time(), outcome_kind=outcome.kind, outcome=json.dumps(outcome.to_dict()))
                 self._end_job(
                     job, "failed", outcome.message,
-                    next_step=f"nothing: the job has ended; check that {workdir} exists and belongs to {owner.name}, and submit it again",
+                    next_step=f"nothing: the job has ended; let {owner.name} run {sys.executable} (README: For installers), and submit it again",
                 )
             return
         started = processes.start_ticks(process.pid)
@@ -616,11 +744,16 @@ class Supervisor:
         end the attempt's other processes; each optimizer step is reported (oomguard_progress.py,
         with the first attempt's learning-rate schedules for oomguard_accelerate.py); under
         emulation the script's tensors count against the emulated capacity."""
-        earlier = [_attempt_files(a) for a in self.store.attempts(job["id"])]
+        earlier = [self._files(a) for a in self.store.attempts(job["id"])]
+        try:
+            schedules = first_schedules(earlier)
+        finally:
+            for files in earlier:
+                files.close()
         env = {
             ATTEMPT_ENV: json.dumps({
                 "plan": plan.short(), "max_steps": spec.train.max_steps, "batch_size": plan.batch_size,
-                "first_schedules": first_schedules(earlier),
+                "first_schedules": schedules,
             }),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), python_path])),
         }
@@ -679,23 +812,26 @@ class Supervisor:
             # must not go on writing into the workdir beside the next attempt.
             _kill_group(running.pid)
             # Ranks that left the group (a session of their own) and outlived the shim.
-            processes.send(processes.marked_with(attempt["directory"]), signal.SIGKILL)
-        status = read_json(_attempt_files(attempt) / EXIT_STATUS)
+            # Only the owner's: anyone may mark a process of their own with this attempt's folder.
+            processes.send(processes.marked_with(attempt["directory"], self._owner_uid(self.store.job(attempt["job_id"]))), signal.SIGKILL)
+        with self._files(attempt) as files:
+            status = files.read_json(EXIT_STATUS)
         if not isinstance(status, dict):
             status = None
         returncode = status.get("returncode") if status and isinstance(status.get("returncode"), int) else None
         failed = status.get("failed_process") if status and isinstance(status.get("failed_process"), dict) else None
         oom_kills = status.get("oom_kills") if status and isinstance(status.get("oom_kills"), int) else None
+        # A shim of ours that could not enter the workdir, as the owner, had nowhere to write.
+        no_folder = status is None and running.process is not None and running.process.returncode == CANNOT_USE_FOLDER
         self._finish_attempt(
             attempt, returncode, shim_recorded=status is not None or running.process is not None, failed_process=failed, oom_kills=oom_kills,
+            no_folder=no_folder,
         )
 
     def _check_stalled(self, attempt: dict[str, Any]) -> None:
-        heartbeat = _attempt_files(attempt) / HEARTBEAT
-        try:
-            last = max(os.lstat(heartbeat).st_mtime, attempt["started_at"])
-        except OSError:
-            last = attempt["started_at"]
+        with self._files(attempt) as files:
+            written = files.mtime(HEARTBEAT)
+        last = max(written, attempt["started_at"]) if written is not None else attempt["started_at"]
         silent = time.time() - last
         if silent < self.stall_seconds:
             if attempt["stalled_at"]:
@@ -735,11 +871,29 @@ class Supervisor:
         shim_recorded: bool = True,
         failed_process: dict[str, Any] | None = None,
         oom_kills: int | None = None,
+        no_folder: bool = False,
     ) -> None:
+        """Record how the attempt ended and what its job does next. ``no_folder``: its shim
+        could not enter the workdir or make the attempt's folder there (shim.CANNOT_USE_FOLDER)."""
         job = self.store.job(attempt["job_id"])
         self._needs.pop(job["id"], None)  # its measurements change what it needs
-        data = read_json(_attempt_files(attempt) / OUTCOME)
+        with self._files(attempt) as files:
+            self._finish_from(job, attempt, files, returncode, shim_recorded, failed_process, oom_kills, no_folder)
+
+    def _finish_from(
+        self, job: dict[str, Any], attempt: dict[str, Any], files: AttemptFiles, returncode: int | None, shim_recorded: bool,
+        failed_process: dict[str, Any] | None, oom_kills: int | None, no_folder: bool,
+    ) -> None:
+        data = files.read_json(OUTCOME)
         outcome: Outcome | None = None
+        if no_folder:
+            owner = job["owner"]
+            outcome = Outcome(
+                kind="crashed",
+                message=f"the attempt could not enter its workdir {job['workdir']} or make its folder there as {owner}, so nothing "
+                f"ran: the workdir must be a folder {owner} owns and may enter (not replaced, and not behind a folder {owner} "
+                "cannot search)",
+            )
         if isinstance(data, dict):
             try:
                 outcome = Outcome.from_dict(data)
@@ -751,7 +905,10 @@ class Supervisor:
             outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
         if outcome is None:
             plan = Plan.from_dict(json.loads(attempt["plan"]))
-            outcome = outcome_without_report(_attempt_files(attempt), returncode, failed_process, oom_kills, plan)
+            if files.problem is not None:
+                outcome = Outcome(kind="crashed", message=f"the attempt ended, but {files.problem}")
+            else:
+                outcome = outcome_without_report(files, returncode, failed_process, oom_kills, plan)
         if outcome.kind == "cancelled":
             outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
         # How the attempt ended and what the job does next are one change: a daemon that dies
@@ -781,7 +938,8 @@ class Supervisor:
         spec = self._spec(job)
         attempts = self.store.attempts(job["id"])
         last = attempts[-1]
-        end = read_script_report(_attempt_files(last), Plan.from_dict(json.loads(last["plan"]))).end_state(spec.train.max_steps)
+        with self._files(last) as files:
+            end = read_script_report(files, Plan.from_dict(json.loads(last["plan"]))).end_state(spec.train.max_steps)
         result = f"the command exited with code 0; {end.describe()}"
         if len({a["plan"] for a in attempts}) > 1:
             result += f"; {COMMAND_SPLIT_KEEPS}"
@@ -842,7 +1000,8 @@ class Supervisor:
             )
 
     def _report_live_recoveries(self, attempt: dict[str, Any]) -> None:
-        heartbeat = read_json(_attempt_files(attempt) / HEARTBEAT)
+        with self._files(attempt) as files:
+            heartbeat = files.read_json(HEARTBEAT)
         recoveries = heartbeat.get("recoveries") if isinstance(heartbeat, dict) else None
         if isinstance(recoveries, list) and all(isinstance(change, dict) for change in recoveries):
             self._report_recoveries(attempt, recoveries)
@@ -856,10 +1015,14 @@ class Supervisor:
         job = self.store.job(attempt["job_id"])
         for change in changes[reported:]:
             old, new = Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
-            self.event(
-                job, "escalated", f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: {change['reason']}",
-                next_step=f"the attempt goes on under [{new.short()}] in the same process",
-            )
+            what = f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: "
+            if isinstance(change.get("oom"), str):
+                # An OOM the runner recovered from itself: what ran out, what changed, and that
+                # training went on, in words (the daemon's log is what people read).
+                what += f"{change['oom']} -> {describe_change(old, new)}; {change['reason']}; resumed at step {change['step']} in the same process"
+            else:
+                what += change["reason"]
+            self.event(job, "escalated", what, next_step=f"the attempt goes on under [{new.short()}] in the same process")
         self.store.update_attempt(attempt["id"], recoveries_reported=len(changes))
         attempt["recoveries_reported"] = len(changes)
 
@@ -867,7 +1030,7 @@ class Supervisor:
         self._specs.pop(job["id"], None)
         self._needs.pop(job["id"], None)
         self.store.update_job(job["id"], state=state, ended_at=time.time(), result=result, report=report, waiting=None, waiting_since=None)
-        self.event(job, state, result + (f"\n{report}" if report else ""), next_step=next_step)
+        self.event(job, state, result, next_step=next_step, report=report)
 
     # Cancelling and stopping ----------------------------------------------------------------
 
@@ -904,25 +1067,6 @@ class Supervisor:
 
     def job_done(self, job_id: int) -> bool:
         return self.store.job(job_id)["state"] in TERMINAL_STATES
-
-
-# Where a daemon finds nothing: what it reads of an attempt whose folder is not its own.
-_NOWHERE = Path("/nonexistent/oomguard-attempt-folder-was-a-link")
-
-
-def _attempt_files(attempt: dict[str, Any]) -> Path:
-    """The attempt's folder, to read what its runner wrote, unless the folder, its attempts/
-    or the workdir was replaced by a symbolic link: its owner could point them at another
-    user's attempt, and the daemon (root) would read that into this job's record. Then the
-    attempt reads as having reported nothing."""
-    directory = Path(attempt["directory"])
-    for folder in (directory.parent.parent, directory.parent, directory):
-        try:
-            if stat.S_ISLNK(os.lstat(folder).st_mode):
-                return _NOWHERE
-        except OSError:
-            return _NOWHERE
-    return directory
 
 
 def _how_long(seconds: float) -> str:

@@ -26,10 +26,13 @@ root's credentials; :func:`child_environment`).
 
 *Work directories are created as the user* (:func:`make_user_directory`), so the kernel decides
 whether that user may create a directory there; root's own right to write anywhere never
-stands in for the user's. The result must be a real directory owned by the user. Anything done
-inside it later must also be done as the user (the shim and the runner run as the user): once
-the directory is theirs they can replace what is inside with symbolic links, and root must not
-follow them.
+stands in for the user's. The result must be a real directory owned by the user, and its path is
+kept as the user resolved it. Every folder of a job is *entered* only by its own processes, as
+the user (the shim starts in / and enters the workdir and [command] cwd itself): once a folder
+is theirs they can replace what is inside, or the folder itself, with symbolic links, and root
+must not follow them. What the daemon must *read* there (an attempt's exit.json, outcome.json,
+heartbeat, log) it reads through a descriptor of the folder opened without following a link a
+user could have made and checked to be the owner's (jobs/attempt.py AttemptFiles).
 
 *Who may change a job:* its owner, root, and members of the configured admin group
 (:func:`check_may_change`). The requester's identity must come from the kernel too (the peer
@@ -45,6 +48,7 @@ that user, and asking to run anything as someone else is refused.
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
 import pwd
@@ -52,10 +56,13 @@ import re
 import shutil
 import stat
 import subprocess
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from oomguard.jobs.attempt import UnsafeFolder, open_folder
 
 
 class PermissionRefused(Exception):
@@ -212,8 +219,9 @@ def spawn_options(account: Account) -> dict[str, Any]:
     As root: uid, gid and the supplementary groups, always all three (``user=`` alone would
     leave the child root's gid and groups). Not as root: {} for our own account, and a refusal
     for anyone else's (switching users takes root).
-    Note that Popen changes directory (``cwd=``) *before* it drops privileges, so ``cwd`` is not
-    checked against the user's rights; check the directory beforehand (make_user_directory)."""
+    Note that Popen changes directory (``cwd=``) *before* it drops privileges: ``cwd`` is entered
+    with root's rights, through any link on its path. Never pass a folder of the user's: start the
+    child in / and let it enter the folder itself, as the user (daemon/shim.py --workdir, --cwd)."""
     if os.geteuid() == 0:
         return {"user": account.uid, "group": account.gid, "extra_groups": list(account.groups)}
     if account.uid == os.geteuid():
@@ -265,25 +273,58 @@ def child_environment(account: Account, base: Mapping[str, str]) -> dict[str, st
     return env
 
 
+def _coreutil(name: str) -> str:
+    return shutil.which(name, path="/usr/bin:/bin") or name
+
+
+# A look at a user's path, as that user, runs in the daemon's loop: it may take this long. A
+# user whose look took longer (a hung network mount, or a FUSE file system of their own that
+# never answers) is not looked for again for USER_PATH_PAUSE_SECONDS: their job files fail at
+# once, saying why, and the loop goes on (systemd's watchdog keeps hearing from the daemon, and
+# other users' files are taken).
+USER_PATH_SECONDS = 5.0
+USER_PATH_PAUSE_SECONDS = 60.0
+_slow_since: dict[int, float] = {}
+
+
+def _run_as(account: Account, argv: list[str]) -> tuple[str | None, str]:
+    """Run coreutils' ``argv`` as `account`: (None, its output) on success, else (why not, "").
+    A separate process, so that the kernel checks the user's rights (a fork of this
+    multi-threaded daemon that ran Python would risk locks held by other threads). coreutils
+    rather than sys.executable: the user may not be able to reach the daemon's interpreter (a
+    venv under /root), but can always run /bin/mkdir. It starts in /, never in a folder of the
+    user's (Popen enters cwd= before it drops root's rights), and has USER_PATH_SECONDS."""
+    slow = _slow_since.get(account.uid)
+    if slow is not None and time.monotonic() - slow < USER_PATH_PAUSE_SECONDS:
+        return (
+            f"a look at a path of {account.name}'s took longer than {USER_PATH_SECONDS:.0f} s less than "
+            f"{USER_PATH_PAUSE_SECONDS:.0f} s ago (a file system that does not answer?), so the daemon does not wait on "
+            f"their paths for now; submit the job again in a minute, with a workdir on a file system that answers"
+        ), ""
+    try:
+        result = subprocess.run(
+            argv, **spawn_options(account), cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=USER_PATH_SECONDS,
+        )
+    except subprocess.TimeoutExpired:
+        _slow_since[account.uid] = time.monotonic()
+        return (
+            f"{os.path.basename(argv[0])} did not answer within {USER_PATH_SECONDS:.0f} s (a file system that does not "
+            "answer?); choose a workdir on one that does"
+        ), ""
+    except (OSError, subprocess.SubprocessError) as error:
+        return str(error), ""
+    if result.returncode != 0:
+        program = argv[0]
+        why = result.stderr.strip().removeprefix(f"{program}: ").removeprefix(f"{os.path.basename(program)}: ")
+        return why or f"{os.path.basename(program)} exited {result.returncode}", ""
+    return None, result.stdout
+
+
 def _create_as(path: Path, account: Account) -> str | None:
     """Create `path` and its missing parents as `account`; None on success, else why not."""
     if os.geteuid() == 0 and account.uid != 0:
-        # A separate process, so that the kernel checks the user's rights (a fork of this
-        # multi-threaded daemon that ran Python would risk locks held by other threads).
-        # coreutils mkdir rather than sys.executable: the user may not be able to reach the
-        # daemon's interpreter (a venv under /root), but can always run /bin/mkdir.
-        mkdir = shutil.which("mkdir", path="/usr/bin:/bin") or "mkdir"
-        try:
-            result = subprocess.run(
-                [mkdir, "-p", "-m", "0750", "--", str(path)], **spawn_options(account),
-                cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, stdin=subprocess.DEVNULL,
-                capture_output=True, text=True, timeout=60,
-            )
-        except (OSError, subprocess.SubprocessError) as error:
-            return str(error)
-        if result.returncode != 0:
-            return result.stderr.strip().removeprefix(f"{mkdir}: ").removeprefix("mkdir: ") or f"mkdir exited {result.returncode}"
-        return None
+        return _run_as(account, [_coreutil("mkdir"), "-p", "-m", "0750", "--", str(path)])[0]
     spawn_options(account)  # refuses a different user when we are not root
     try:
         os.makedirs(path, mode=0o750, exist_ok=True)
@@ -292,27 +333,64 @@ def _create_as(path: Path, account: Account) -> str | None:
     return None
 
 
-def make_user_directory(path: Path, account: Account) -> None:
+def _real_path_as(path: Path, account: Account) -> tuple[str | None, Path]:
+    """(None, the real path of the folder `path` as `account` resolves it), or (why not, path)."""
+    if os.geteuid() == 0 and account.uid != 0:
+        why, out = _run_as(account, [_coreutil("realpath"), "-e", "--", str(path)])
+        real = out.rstrip("\n")
+        return (why, path) if why is not None or not real.startswith("/") else (None, Path(real))
+    try:
+        return None, Path(os.path.realpath(path, strict=True))
+    except OSError as error:
+        return f"{error.strerror or error} ({error.filename or path})", path
+
+
+def make_user_directory(path: Path, account: Account) -> Path:
     """Create `path` (and missing parents) as `account`, then check that it is a directory, not a
-    symbolic link, owned by `account`. An existing directory is accepted if it is theirs."""
+    symbolic link, owned by `account`. An existing directory is accepted if it is theirs.
+
+    Returns the folder's real path: the folders above it resolved *as the user* (their own links
+    on the way, such as ~/scratch -> /data/alice, are theirs to use). That is the path the daemon
+    keeps, and opens later without following any link a user could have made (jobs/attempt.py
+    open_folder): a folder on the way that is swapped for a link after this check is then not
+    followed, as root, into someone else's folders."""
     path = Path(path)
     fix = f"create it and chown it to {account.name}, or choose a workdir {account.name} can write"
     why = _create_as(path, account)
     if why is not None:
         raise PermissionRefused(f"{account.name} cannot create {path}: {why}; {fix}")
+    if path.name in ("", ".."):
+        why, real = _real_path_as(path, account)
+    else:
+        why, parent = _real_path_as(path.parent, account)
+        real = parent / path.name
+    if why is not None:
+        raise PermissionRefused(f"{account.name} cannot look at {path}: {why}; {fix}")
     try:
-        st = os.lstat(path)
+        descriptor = open_folder(real)
+    except UnsafeFolder as error:
+        if error.filename == str(real) and error.errno == errno.ELOOP:
+            raise PermissionRefused(
+                f"{path} is a symbolic link, not a directory; a workdir must be a real directory owned by "
+                f"{account.name}: remove the link and {fix}"
+            ) from None
+        if error.filename == str(real) and error.errno == errno.ENOTDIR:
+            raise PermissionRefused(f"{path} exists and is not a directory; remove it, or {fix}") from None
+        raise PermissionRefused(
+            f"{error.filename}, on the way to {path}, is {error.strerror}; the daemon follows no link its users can change: "
+            f"give the workdir's real path, or {fix}"
+        ) from None
     except OSError as error:
         raise PermissionRefused(f"{path} is not there after creating it as {account.name} ({error.strerror}); {fix}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise PermissionRefused(
-            f"{path} is a symbolic link, not a directory; a workdir must be a real directory owned by "
-            f"{account.name}: remove the link and {fix}"
-        )
+    try:
+        st = os.fstat(descriptor)
+    finally:
+        os.close(descriptor)
     if not stat.S_ISDIR(st.st_mode):
         raise PermissionRefused(f"{path} exists and is not a directory; remove it, or {fix}")
     if st.st_uid != account.uid:
         raise PermissionRefused(f"{path} belongs to {_user_name(st.st_uid)}, not {account.name}; {fix}")
+    return real
 
 
 def _secure(path: Path, mode: int, daemon_uid: int, strict: bool) -> None:

@@ -127,7 +127,14 @@ def placeholders_in(argument: str, where: str = "argv") -> set[str]:
     try:
         return {name for _, name, _, _ in string.Formatter().parse(argument) if name is not None}
     except ValueError as error:
-        raise CommandError(f"argument {argument!r} is not a valid template ({error}); write {{{{ and }}}} for literal braces", where) from None
+        named = "the value" if where.startswith("env.") else f"argument {_quoted(argument, where)}"
+        raise CommandError(f"{named} is not a valid template ({error}); write {{{{ and }}}} for literal braces", where) from None
+
+
+def _quoted(argument: str, where: str) -> str:
+    """An argument as an error quotes it; never a [command.env] value, which may be a secret
+    (HF_TOKEN): errors reach the daemon's log."""
+    return "the value" if where.startswith("env.") else repr(argument)
 
 
 def check(command: CommandSpec) -> None:
@@ -145,13 +152,22 @@ def check(command: CommandSpec) -> None:
             if name is not None and (spec or conversion):
                 written = f"{{{name}{'!' + conversion if conversion else ''}{':' + spec if spec else ''}}}"
                 raise CommandError(
-                    f"placeholder {written} in {argument!r} has a conversion or format spec; write just {{{name}}} "
+                    f"placeholder {written} in {_quoted(argument, where)} has a conversion or format spec; write just {{{name}}} "
                     f"(oomguard puts the value in as it is)",
                     where,
                 )
     for knob, _ in command.when:
         if knob not in WHEN_KNOBS:
             raise CommandError(f"unknown [command.when] knob {knob!r} (known: {', '.join(WHEN_KNOBS)})", f"when.{knob}")
+
+
+def argument_with(command: CommandSpec, placeholder: str) -> str | None:
+    """The first argument (or ``NAME=value`` of [command.env]) that carries ``{placeholder}``,
+    as the job file writes it; None when none does."""
+    for where, argument in command.templates():
+        if placeholder in placeholders_in(argument, where):
+            return f"{where[4:]}={argument}" if where.startswith("env.") else argument
+    return None
 
 
 def exposed_rungs(command: CommandSpec) -> tuple[str, ...]:

@@ -27,7 +27,7 @@ from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
 from oomguard.jobs.training import Training, build_training, free, one_step, oom_measurement, unfit_to_continue
 from oomguard.strategies.contention import find_contention
-from oomguard.strategies.doctor import decide_in_process
+from oomguard.strategies.doctor import decide_in_process, describe_oom
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
@@ -175,7 +175,10 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome
                         recovery = decide_in_process(training.plan, measurements + _steady(records), job.policy(), oom.memory.total if oom.memory else None)
                         if recovery is not None:
                             # Nothing of the step was applied: run the same step again.
-                            recoveries.append({"step": progress.step, "from": training.plan.to_dict(), "to": recovery.plan.to_dict(), "reason": recovery.reason})
+                            recoveries.append({
+                                "step": progress.step, "from": training.plan.to_dict(), "to": recovery.plan.to_dict(), "reason": recovery.reason,
+                                "oom": describe_oom(oom),
+                            })
                             say(f"out of memory in {oom.phase} at step {progress.step}; {recovery.reason}")
                             training.apply(recovery.plan)
                             oom = None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from oomguard.jobs.attempt import HEARTBEAT, METRICS, SCHEDULES, open_regular, read_json
+from oomguard.jobs.attempt import HEARTBEAT, METRICS, SCHEDULES, AttemptFiles, attempt_files
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.plan import Plan
 
@@ -80,11 +80,13 @@ def _same_lr(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=LR_TOLERANCE, abs_tol=LR_TOLERANCE * 1e-3)
 
 
-def read_script_report(attempt_dir: Path, plan: Plan) -> ScriptReport:
+def read_script_report(attempt_dir: Path | AttemptFiles, plan: Plan) -> ScriptReport:
     """What the script's bootstrap reported in ``attempt_dir`` under ``plan`` (empty when it
-    reported nothing: not a Python script, or it died before its first step)."""
-    records = _metrics(attempt_dir / METRICS)
-    heartbeat = read_json(attempt_dir / HEARTBEAT)
+    reported nothing: not a Python script, or it died before its first step). The daemon passes
+    the AttemptFiles it opened as the job's owner's (jobs/attempt.py)."""
+    files = attempt_files(attempt_dir)
+    records = _metrics(files)
+    heartbeat = files.read_json(HEARTBEAT)
     heartbeat = heartbeat if isinstance(heartbeat, dict) else {}
     last = records[-1] if records else heartbeat
     step = _int(last.get("step"))
@@ -121,9 +123,9 @@ def _measurement(records: list[dict[str, Any]], plan: Plan) -> Measurement | Non
     )
 
 
-def _metrics(path: Path) -> list[dict[str, Any]]:
+def _metrics(files: AttemptFiles) -> list[dict[str, Any]]:
     try:
-        with open_regular(path) as handle:
+        with files.open(METRICS) as handle:
             size = handle.seek(0, 2)
             handle.seek(max(0, size - METRICS_TAIL_BYTES))
             text = handle.read().decode("utf-8", "replace")
@@ -148,11 +150,11 @@ def _float(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
 
 
-def first_schedules(attempt_dirs: list[Path]) -> list[Any] | None:
+def first_schedules(attempt_dirs: list[Path] | list[AttemptFiles]) -> list[Any] | None:
     """The learning-rate schedules the job's earliest attempt that built any was built with
     (``attempt_dirs`` in order): every later attempt builds the same (oomguard_accelerate.py)."""
     for attempt_dir in attempt_dirs:
-        schedules = read_json(attempt_dir / SCHEDULES)
+        schedules = attempt_files(attempt_dir).read_json(SCHEDULES)
         if isinstance(schedules, list) and schedules:
             return schedules
     return None

@@ -27,8 +27,10 @@ This module must stay cheap to import (the daemon and CLI import it): no torch, 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
+import errno
 import json
 import math
 import os
@@ -36,6 +38,7 @@ import re
 import shutil
 import stat
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +52,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 from oomguard.jobs.trainers import TRAINER_NAMES
 from oomguard.strategies.doctor import Policy
 from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
-from oomguard.jobs.command import WHEN_KNOBS, CommandError, CommandSpec, check, exposed_rungs, script_argument
+from oomguard.jobs.command import WHEN_KNOBS, CommandError, CommandSpec, argument_with, check, exposed_rungs, script_argument
 from oomguard.jobs.sizes import parse_size
 from oomguard.strategies.plan import MixedPrecision, Plan
 
@@ -401,10 +404,6 @@ class NotifySpec:
             urls=tuple(data.get("urls") or ()), tags=tuple(data.get("tags") or ()), events=tuple(data.get("events") or DEFAULT_NOTIFY_EVENTS)
         )
 
-    def without_urls(self, redact: Any) -> NotifySpec:
-        """The same, with every URL passed through ``redact`` (for the shared store)."""
-        return dataclasses.replace(self, urls=tuple(redact(url) for url in self.urls))
-
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -446,6 +445,7 @@ class JobSpec:
             max_attempts=self.ladder.max_attempts,
             crash_retries=self.ladder.crash_retries,
             initial=self.initial_plan(),
+            micro_batch_argument=argument_with(self.command, "micro_batch") if self.command is not None else None,
         )
 
     def replace(self, **changes: Any) -> JobSpec:
@@ -502,8 +502,10 @@ class JobSpec:
 # ----------------------------------------------------------------------------- entry points
 
 
-def load_job_file(path: str | os.PathLike[str]) -> JobSpec:
-    """Read and validate a job file. Relative paths inside it are resolved against its folder.
+def load_job_file(path: str | os.PathLike[str], submit_dir: Path | None = None) -> JobSpec:
+    """Read and validate a job file. Relative paths inside it are resolved against its folder;
+    a command job without [command] cwd runs in ``submit_dir``, the folder it is submitted
+    from (by default the current one), as sbatch and pueue run theirs.
 
     Raises :class:`JobFileError` for every problem, including unreadable files.
     """
@@ -540,8 +542,16 @@ def load_job_file(path: str | os.PathLike[str]) -> JobSpec:
         problem = f"not valid UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); save the job file as UTF-8"
         raise JobFileError(display, None, problem) from None
     absolute = p.expanduser().resolve()
-    ctx = _Ctx(display, absolute.parent, check_files=True)
+    ctx = _Ctx(display, absolute.parent, check_files=True, submit_dir=submit_dir or _current_folder())
     return _parse_text(ctx, text, str(absolute))
+
+
+def _current_folder() -> Path | None:
+    """The folder this process is in; None when it was removed under it."""
+    try:
+        return Path.cwd()
+    except OSError:
+        return None
 
 
 def _too_big(size: int) -> str:
@@ -557,14 +567,18 @@ def parse_job_text(
     base_dir: str | os.PathLike[str] | None = None,
     *,
     check_files: bool = True,
+    submit_dir: Path | None = None,
+    home: str | None = None,
 ) -> JobSpec:
     """Validate job-file text. ``path`` names the file in messages (and becomes
     ``source_path``); relative paths are resolved against ``base_dir``, by default the
     folder of ``path``. ``check_files``: also look at the files and folders it names (the
-    data folder, the command's folder, program and script)."""
+    data folder, the command's folder, program and script). ``submit_dir``: where a command
+    job without [command] cwd runs (the folder it was submitted from); None: its workdir.
+    ``home``: what ``~`` stands for, the home of the job's owner (None: whoever parses)."""
     display = os.fspath(path)
     base = Path(base_dir) if base_dir is not None else Path(display).parent
-    ctx = _Ctx(display, base.expanduser().absolute(), check_files=check_files)
+    ctx = _Ctx(display, base.expanduser().absolute(), check_files=check_files, submit_dir=submit_dir, home=home)
     return _parse_text(ctx, text, display)
 
 
@@ -572,10 +586,14 @@ def parse_job_text(
 
 
 class _Ctx:
-    def __init__(self, path: str, base_dir: Path, check_files: bool) -> None:
+    def __init__(self, path: str, base_dir: Path, check_files: bool, submit_dir: Path | None = None, home: str | None = None) -> None:
         self.path = path
         self.base_dir = base_dir
         self.check_files = check_files
+        self.submit_dir = submit_dir
+        self.home = home
+        # Set from trainer = "command" before any table is read: such a job may use fewer keys.
+        self.command_job = False
 
     def fail(self, key: str | None, problem: str) -> JobFileError:
         return JobFileError(self.path, key, problem)
@@ -664,8 +682,12 @@ class _Section:
             self._check_unknown(_SECTION_KEYS[name])
 
     def _check_unknown(self, allowed: tuple[str, ...]) -> None:
+        # A command job's keys the built-in trainer alone has are refused one by one, with a
+        # reason, once the table is read; they are never offered as what a key should be.
+        explained = _NOT_FOR_COMMAND_JOBS.get(self.name, ()) if self.ctx.command_job else ()
+        allowed = tuple(key for key in allowed if key not in explained)
         for key in self.raw:
-            if key in allowed:
+            if key in allowed or key in explained:
                 continue
             hint = self._hint(str(key), allowed)
             listed = ", ".join(sorted(allowed))
@@ -831,6 +853,7 @@ def _parse_text(ctx: _Ctx, text: str, source_path: str | None) -> JobSpec:
 
 
 def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> JobSpec:
+    ctx.command_job = isinstance(raw, Mapping) and raw.get("trainer") == COMMAND_TRAINER
     top = _Section(ctx, None, raw)
     name = top.str("name")
     if not NAME_PATTERN.fullmatch(name):
@@ -907,21 +930,89 @@ def _resolve(ctx: _Ctx, text: str, key: str) -> Path:
     if "\x00" in text:
         raise ctx.fail(key, "contains a NUL character (\\u0000), which no path can hold; remove it")
     try:
-        p = Path(text).expanduser()
+        # "~" is the home of the job's owner (ctx.home; the daemon, root, parses others' files),
+        # never that of whoever parses.
+        p = Path(ctx.home + text[1:]) if ctx.home and (text == "~" or text.startswith("~/")) else Path(text).expanduser()
     except RuntimeError:
         raise ctx.fail(key, f"cannot expand {_render(text)}: no such user's home directory; give the full path") from None
     if not p.is_absolute():
         p = ctx.base_dir / p
+    if not ctx.check_files:
+        # Not looked at: not on the file system as whoever parses (the daemon, root, parsing
+        # another user's file, must not follow that user's links, nor store where a link in a
+        # folder only root may read points). The job's own processes resolve it, as its owner.
+        return p
     try:
         return p.resolve()
     except (OSError, ValueError) as e:  # ValueError: a NUL in the base folder
         raise ctx.fail(key, f"cannot use path {_render(text)}: {getattr(e, 'strerror', None) or e}") from None
 
 
-def _has_image(folder: Path) -> bool:
-    for _root, _dirs, files in os.walk(folder):
-        if any(os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS for f in files):
-            return True
+# Looking through a data folder for an image is bounded, whoever looks (`oomguard submit` as
+# the user, or the daemon for its own user's job files: daemon/spool.py): at most
+# DATA_SCAN_ENTRIES entries and DATA_SCAN_SECONDS per folder, and in a long-running process at
+# most a share of its time (a burst of job files naming a folder of 300,000 files must not hold
+# the daemon's loop past systemd's watchdog, nor the next user's submit). A look that reaches a
+# bound decides nothing: the job is accepted, and its runner, which lists the folder as the
+# job's owner when the attempt starts, says so if it holds no images.
+DATA_SCAN_ENTRIES = 20_000
+DATA_SCAN_SECONDS = 1.0
+_SCAN_BURST_SECONDS = 2.0  # what looks may spend at once ...
+_SCAN_SHARE = 0.1  # ... and per second of wall-clock time after that
+
+
+class _ScanBudget:
+    def __init__(self) -> None:
+        self.left = _SCAN_BURST_SECONDS
+        self.at = time.monotonic()
+
+    def grant(self) -> float:
+        now = time.monotonic()
+        self.left = min(_SCAN_BURST_SECONDS, self.left + (now - self.at) * _SCAN_SHARE)
+        self.at = now
+        return min(self.left, DATA_SCAN_SECONDS)
+
+    def spend(self, seconds: float) -> None:
+        self.left -= seconds
+
+
+_SCAN_BUDGET = _ScanBudget()
+
+
+def _has_image(folder: Path) -> bool | None:
+    """Whether ``folder`` holds an image file, in it or in a folder below (breadth first:
+    images are usually near the top; links to folders are not followed, subfolders that cannot
+    be read are skipped): True, False, or None when a bound was reached first. OSError when
+    ``folder`` itself cannot be read."""
+    allowed = _SCAN_BUDGET.grant()
+    if allowed <= 0:
+        return None
+    started = time.monotonic()
+    deadline, seen = started + allowed, 0
+    todo = collections.deque([str(folder)])
+    try:
+        while todo:
+            current = todo.popleft()
+            try:
+                with os.scandir(current) as entries:
+                    for entry in entries:
+                        seen += 1
+                        if seen >= DATA_SCAN_ENTRIES or (seen % 512 == 0 and time.monotonic() > deadline):
+                            return None
+                        try:
+                            is_dir = entry.is_dir()
+                        except OSError:
+                            is_dir = False
+                        if not is_dir:
+                            if os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+                                return True
+                        elif not entry.is_symlink():
+                            todo.append(entry.path)
+            except OSError:
+                if current == str(folder):
+                    raise
+    finally:
+        _SCAN_BUDGET.spend(time.monotonic() - started)
     return False
 
 
@@ -936,15 +1027,23 @@ def _parse_data(ctx: _Ctx, s: _Section) -> DataSpec:
         folder = _resolve(ctx, source, s.key("source"))
         if ctx.check_files:
             where = "(expected an image folder or synthetic:N)"
+            # As whoever submits, and only what they may see: a folder they may not search
+            # reads the same whether it exists or not (the kernel says EACCES either way).
+            unreadable = "; give a folder you can read, or ask its owner to let you read it (the job runs as you)"
             try:
                 exists, is_dir = folder.exists(), folder.is_dir()
             except OSError as e:  # e.g. a name too long, or a folder the user may not search
-                raise s.fail("source", f"cannot look at folder {_render(str(folder))}: {e.strerror or e} {where}") from None
+                fix = unreadable if e.errno == errno.EACCES else ""
+                raise s.fail("source", f"cannot look at folder {_render(str(folder))}: {e.strerror or e} {where}{fix}") from None
             if not exists:
                 raise s.fail("source", f"folder {folder} does not exist {where}")
             if not is_dir:
                 raise s.fail("source", f"{folder} is not a folder {where}")
-            if not _has_image(folder):
+            try:
+                has_image = _has_image(folder)
+            except OSError as e:
+                raise s.fail("source", f"cannot read folder {_render(str(folder))}: {e.strerror or e}{unreadable}") from None
+            if has_image is False:
                 exts = ", ".join(IMAGE_EXTENSIONS)
                 raise s.fail("source", f"no image files ({exts}) in folder {folder}")
         source = str(folder)
@@ -1153,6 +1252,8 @@ def _parse_command(ctx: _Ctx, s: _Section, workdir: str | None) -> CommandSpec:
     cwd = s.str("cwd", default=None)
     if cwd is not None:
         cwd = str(_resolve(ctx, cwd, s.key("cwd")))
+    elif ctx.submit_dir is not None:
+        cwd = str(ctx.submit_dir)
     env_section = s.table("env", required=False)
     env: dict[str, str] = {}
     if env_section is not None:
@@ -1160,7 +1261,8 @@ def _parse_command(ctx: _Ctx, s: _Section, workdir: str | None) -> CommandSpec:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
                 raise env_section.fail(str(name), "not an environment variable name (letters, digits and _, not starting with a digit)")
             if not isinstance(value, str):
-                raise env_section.fail(str(name), f"expected a string, found {_describe(value)}")
+                # Its type only, never the value: it may be a secret, and errors reach the daemon's log.
+                raise env_section.fail(str(name), f"expected a string, found {_describe(value).partition(' (')[0]}")
             if "\x00" in value:
                 raise env_section.fail(str(name), "contains a NUL character (\\u0000), which no environment variable can hold; remove it")
             env[str(name)] = value
@@ -1192,6 +1294,10 @@ _SCRIPT_OWNED_TRAIN_KEYS = (
     "learning_rate", "seed", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "lr_warmup_steps",
     "num_train_timesteps", "weight_decay",
 )
+
+
+# What a command job may not have, by table: each is refused with its own reason (above).
+_NOT_FOR_COMMAND_JOBS: dict[str | None, tuple[str, ...]] = {None: ("data", "model"), "train": _SCRIPT_OWNED_TRAIN_KEYS}
 
 
 def _check_command_batch(s: _Section, train: TrainSpec, processes: int) -> None:
@@ -1238,7 +1344,8 @@ def _guarded(look: Callable[[], str | None], what: str, path: str) -> str | None
     try:
         return look()
     except OSError as e:
-        return f"cannot look at {what} {_render(path)}: {e.strerror or e}"
+        fix = "; the job runs as you: give a path you can reach, or ask its owner to let you in" if e.errno == errno.EACCES else ""
+        return f"cannot look at {what} {_render(path)}: {e.strerror or e}{fix}"
 
 
 def _folder_problem(folder: Path) -> str | None:
@@ -1312,8 +1419,16 @@ def _script_problem(script: str, runs_in: _RunsIn) -> str | None:
 
 
 def _python_files(folder: Path) -> list[str]:
-    """The names of the scripts in ``folder``, for a did-you-mean; none when it cannot be listed."""
+    """The names of the scripts in ``folder``, for a did-you-mean; none when it cannot be listed.
+    Bounded like a data folder's look (DATA_SCAN_ENTRIES): a huge folder gets no suggestion."""
+    names: list[str] = []
     try:
-        return [p.name for p in folder.glob("*.py")]
+        with os.scandir(folder) as entries:
+            for seen, entry in enumerate(entries):
+                if seen >= DATA_SCAN_ENTRIES:
+                    return []
+                if entry.name.endswith(".py") and not entry.name.startswith("."):
+                    names.append(entry.name)
     except OSError:
         return []
+    return names

@@ -49,6 +49,10 @@ class Policy:
     # Rungs under which the job's loss diverged (set by decide from the history): neither
     # taken nor suggested again.
     unsafe: tuple[str, ...] = ()
+    # A command job's argument that carries the plan's micro-batch to its script (e.g.
+    # "--train_batch_size={micro_batch}"): a script may ignore it, which the doctor watches
+    # for. None for the built-in trainer, which always honours its plan.
+    micro_batch_argument: str | None = None
 
 
 @dataclass(frozen=True)
@@ -297,10 +301,15 @@ def repeats_last_crash(outcome: Outcome, plan: Plan, history: Sequence[PastAttem
     return before.plan == plan and before.outcome.kind == "crashed" and before.outcome.step == outcome.step and before.outcome.error_line == line
 
 
-def give_up(reason: str, history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str] = (), next_step: str | None = None) -> GiveUp:
-    """Stop, with the report, and the next step for what the last attempt ended with."""
+def give_up(
+    reason: str, history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str] = (), next_step: str | None = None, *, advice: bool = True,
+) -> GiveUp:
+    """Stop, with the report, and the next step for what the last attempt ended with.
+    ``advice``: whether the report may name rungs to allow."""
     kind = history[-1].outcome.kind if history else ""
-    return GiveUp(reason=reason, report=report(history, policy, needed), next_step=next_step or NEXT_STEPS.get(kind, NEXT_STEP_OTHERWISE))
+    return GiveUp(
+        reason=reason, report=report(history, policy, needed, advice=advice), next_step=next_step or NEXT_STEPS.get(kind, NEXT_STEP_OTHERWISE),
+    )
 
 
 def measurements_of(history: Sequence[PastAttempt]) -> list[Measurement]:
@@ -314,10 +323,50 @@ def _origin(plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Plan:
     return origin.replace(allocator=plan.allocator)
 
 
+# A smaller micro-batch whose steady peak is at least this share of the larger one's did not
+# shrink the step: activations grow with the micro-batch, so an honoured halving takes them
+# down by half (the weights and optimizer state stay).
+UNMOVED_PEAK = 0.97
+
+
+def ignored_micro_batch(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> str | None:
+    """Why the script seems not to use the micro-batch its command passes on, when it does:
+    the attempt before this one ran out of memory with a larger micro-batch, and this one,
+    with the smaller, failed the same allocation at the same size, or took the same steady
+    peak. None otherwise (and always for the built-in trainer)."""
+    if policy.micro_batch_argument is None or outcome.kind != "oom" or len(history) < 2:
+        return None
+    before = history[-2]
+    if before.outcome.kind != "oom" or not plan.micro_batch < before.plan.micro_batch or contention_of(before) is not None:
+        return None
+    now_memory, then_memory = outcome.memory, before.outcome.memory
+    requested = now_memory.requested if now_memory is not None else None
+    if requested and then_memory is not None and then_memory.requested == requested:
+        return f"the same {format_bytes(requested)} allocation failed with {plan.micro_batch} samples as with {before.plan.micro_batch}"
+    peak_now, peak_then = steady_peak(outcome, plan), steady_peak(before.outcome, before.plan)
+    if peak_now and peak_then and peak_now >= UNMOVED_PEAK * peak_then:
+        return (
+            f"a step took {format_bytes(peak_now)} with {plan.micro_batch} samples and {format_bytes(peak_then)} with "
+            f"{before.plan.micro_batch}"
+        )
+    return None
+
+
 def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
     # A plan that ran out of memory is never run again (unless a neighbour made it run out).
     failed = {past.plan for past in history if past.outcome.kind == "oom" and contention_of(past) is None} | {plan}
     diagnosis = describe_oom(outcome)
+    unmoved = ignored_micro_batch(outcome, plan, history, policy)
+    if unmoved is not None:
+        # No rung is worth taking (or suggesting) while the script's batch does not follow the
+        # plan: each would be judged on a batch the script never ran.
+        return give_up(
+            f"{diagnosis}; the micro-batch was halved and nothing moved ({unmoved}): the script probably does not honour "
+            f"{{micro_batch}}, which the job passes as {policy.micro_batch_argument!r}",
+            history, policy, advice=False,
+            next_step=f"make the script take its batch size from {policy.micro_batch_argument!r} (the {{micro_batch}} placeholder), "
+            "or write the argument the script does read, and submit the job again",
+        )
     memory = outcome.memory
     if is_fragmentation(memory) and "allocator" in policy.allow:
         new_plan = ladder.IMPLEMENTED["allocator"].step(plan)
@@ -409,9 +458,10 @@ def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: P
     return None
 
 
-def report(history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str] = ()) -> str:
+def report(history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str] = (), *, advice: bool = True) -> str:
     """What was tried, in order; and, when the job ran out of memory, what it could still allow
-    (rungs are no answer to a crash or a diverged loss)."""
+    (rungs are no answer to a crash or a diverged loss, nor to a script that ignores them:
+    ``advice`` False)."""
     lines = ["Attempts:"]
     for number, past in enumerate(history, start=1):
         o = past.outcome
@@ -423,7 +473,7 @@ def report(history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str]
         lines.append(line)
     if policy.unsafe:
         lines.append("Rungs marked unsafe for this job (its loss diverged under them): " + ", ".join(policy.unsafe) + ".")
-    if history and history[-1].outcome.kind in MEMORY_KINDS:
+    if advice and history and history[-1].outcome.kind in MEMORY_KINDS:
         lines += _ladder_advice(policy, needed)
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ import dataclasses
 import re
 import signal
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.plan import Plan
@@ -129,8 +129,15 @@ class Outcome:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Outcome:
-        # Keys this version does not know (written by a newer runner, or kept in the store
-        # across a downgrade) are ignored, as Plan.from_dict does, rather than crash the daemon.
+        """The outcome in ``data`` (outcome.json, which the job's owner may write anything
+        into, or the store). Keys this version does not know (written by a newer runner, or
+        kept in the store across a downgrade) are ignored, as Plan.from_dict does, rather than
+        crash the daemon; a known key of the wrong type or an unknown kind or phase raises
+        TypeError or ValueError: a kind, a phase or a step is never text of the user's own,
+        and the daemon's sentences quote them."""
+        if not isinstance(data, dict):
+            raise TypeError(f"an outcome is a JSON object, not {type(data).__name__}")
+        _check_types(data)
         memory = data.get("memory")
         if memory:
             memory = MemoryFigures(**_known(MemoryFigures, memory))
@@ -191,6 +198,75 @@ def exception_line(text: str) -> str | None:
         if named and not _LAUNCHER_REPORT.search(line):
             found = line.strip()
     return found
+
+
+_KINDS = get_args(OutcomeKind)
+_PHASES = get_args(Phase)
+
+
+def _shown(value: Any) -> str:
+    """A value of the wrong type or an unknown name, quoted safely in one short piece."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_types(data: dict[str, Any]) -> None:
+    """TypeError or ValueError for an outcome's known key that holds what it never may."""
+    if data.get("kind") not in _KINDS:
+        raise ValueError(f"unknown kind {_shown(data.get('kind'))} (known: {', '.join(_KINDS)})")
+    if data.get("phase") is not None and data.get("phase") not in _PHASES:
+        raise ValueError(f"unknown phase {_shown(data.get('phase'))} (known: {', '.join(_PHASES)})")
+    for key in ("step", "exit_code", "resumed_from"):
+        if data.get(key) is not None and not _is_int(data[key]):
+            raise TypeError(f"{key} must be an integer, not {_shown(data[key])}")
+    if "step" in data and data["step"] is None:
+        raise TypeError("step must be an integer, not None")
+    for key in ("message", "traceback_tail"):
+        if key in data and not isinstance(data[key], str):
+            raise TypeError(f"{key} must be a string, not {type(data[key]).__name__}")
+    memory = data.get("memory")
+    if memory:
+        if not isinstance(memory, dict):
+            raise TypeError(f"memory must be an object, not {type(memory).__name__}")
+        for key in {f.name for f in dataclasses.fields(MemoryFigures)} - {"breakdown"}:
+            if memory.get(key) is not None and not _is_number(memory[key]):
+                raise TypeError(f"memory.{key} must be a number (bytes), not {_shown(memory[key])}")
+        breakdown = memory.get("breakdown")
+        if breakdown is not None and (
+            not isinstance(breakdown, dict)
+            or not all(isinstance(k, str) and _WORD.fullmatch(k) and _is_number(v) for k, v in breakdown.items())
+        ):
+            raise TypeError("memory.breakdown must map consumer names (words) to numbers (bytes)")
+    for key in ("measurements", "recoveries"):
+        items = data.get(key)
+        if items is not None and (not isinstance(items, (list, tuple)) or not all(isinstance(item, dict) for item in items)):
+            raise TypeError(f"{key} must be a list of objects")
+    _check_plan(data.get("plan"), "plan")
+    for number, measurement in enumerate(data.get("measurements") or (), 1):
+        _check_plan(measurement.get("plan"), f"measurements[{number}].plan")
+
+
+# A consumer's name, a plan's knob value: a word, never text of the user's own (the doctor's
+# report quotes them, one per line).
+_WORD = re.compile(r"[\w.:=+-]*")
+
+
+def _check_plan(plan: Any, where: str) -> None:
+    if plan is None:
+        return
+    if not isinstance(plan, dict):
+        raise TypeError(f"{where} must be an object, not {type(plan).__name__}")
+    for key, value in plan.items():
+        if isinstance(value, str) and not _WORD.fullmatch(value):
+            raise ValueError(f"{where}.{key} is not a plan's value: {_shown(value)}")
 
 
 def _known(cls: type, data: dict[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,11 @@ def rungs_between(old: Plan, new: Plan) -> tuple[str, ...]:
     return tuple(name for name in RUNG_NAMES if getattr(old, KNOB_OF_RUNG[name]) != getattr(new, KNOB_OF_RUNG[name]))
 
 
+def describe_change(old: Plan, new: Plan) -> str:
+    """What changed from ``old`` to ``new``, in words, rung by rung (ladder order)."""
+    return "; ".join(ladder.IMPLEMENTED[name].describe(old, new) for name in rungs_between(old, new) if name in ladder.IMPLEMENTED)
+
+
 def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) -> list[Plan]:
     """Every plan reachable from ``start`` by allowed rungs that have code.
 

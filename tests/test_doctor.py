@@ -814,3 +814,46 @@ def test_a_crash_that_used_its_retries_gives_no_ladder_advice():
         decision = decide(history[-1].outcome, START, history, Policy(allow=("micro_batch",)))
     assert isinstance(decision, GiveUp) and advice_in(decision) == []
     assert decision.next_step.startswith("fix the script and resubmit")
+
+
+# A command job whose script takes its micro-batch from this argument.
+TAKES_BATCH = Policy(micro_batch_argument="--train_batch_size={micro_batch}")
+
+
+def two_ooms(requested_then, requested_now, policy=TAKES_BATCH, measured=()):
+    """The first plan ran out of memory, the doctor halved its micro-batch, and that ran out too."""
+    first = decide(oom(requested=requested_then, phase=None), START, [PastAttempt(START, oom(requested=requested_then, phase=None))], policy)
+    assert isinstance(first, NextPlan) and first.plan.micro_batch < START.micro_batch
+    now = dataclasses.replace(oom(requested=requested_now, phase=None), measurements=tuple(measured))
+    history = [PastAttempt(START, oom(requested=requested_then, phase=None)), PastAttempt(first.plan, now)]
+    return first.plan, decide(now, first.plan, history, policy)
+
+
+def test_the_same_allocation_failing_at_half_the_micro_batch_stops_a_command_job_and_names_the_argument():
+    _, decision = two_ooms(64 * MiB, 64 * MiB)
+    assert isinstance(decision, GiveUp)
+    assert "the same 64.0 MiB allocation failed with 8 samples as with 16" in decision.reason
+    assert "does not honour {micro_batch}, which the job passes as '--train_batch_size={micro_batch}'" in decision.reason
+    assert "--train_batch_size={micro_batch}" in decision.next_step
+    assert "allow" not in decision.report  # no rung is suggested: none would be judged on the batch it claims
+
+
+def test_a_smaller_failed_allocation_after_halving_is_the_script_following_its_plan():
+    plan, decision = two_ooms(64 * MiB, 32 * MiB)
+    assert isinstance(decision, NextPlan) and decision.plan.micro_batch < plan.micro_batch
+
+
+def test_the_built_in_trainer_is_never_suspected_of_ignoring_its_micro_batch():
+    _, decision = two_ooms(64 * MiB, 64 * MiB, policy=Policy())
+    assert isinstance(decision, NextPlan)
+
+
+def test_a_step_peak_that_did_not_move_with_half_the_micro_batch_stops_a_command_job():
+    half = START.replace(micro_batch=8)
+    steady = [Measurement(plan=START, fits=True, peak_bytes=800 * MiB), Measurement(plan=half, fits=True, peak_bytes=790 * MiB)]
+    before = dataclasses.replace(oom(requested=64 * MiB, phase=None), measurements=(steady[0],))
+    now = dataclasses.replace(oom(requested=48 * MiB, phase=None), measurements=(steady[1],))
+    decision = decide(now, half, [PastAttempt(START, before), PastAttempt(half, now)], TAKES_BATCH)
+    assert isinstance(decision, GiveUp) and "a step took 790.0 MiB with 8 samples and 800.0 MiB with 16" in decision.reason
+    moved = dataclasses.replace(now, measurements=(dataclasses.replace(steady[1], peak_bytes=500 * MiB),))
+    assert isinstance(decide(moved, half, [PastAttempt(START, before), PastAttempt(half, moved)], TAKES_BATCH), NextPlan)

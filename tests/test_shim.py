@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from oomguard.daemon import kernel_oom, processes
 from oomguard.daemon.shim import EXIT_STATUS
 from oomguard.daemon.supervisor import outcome_without_report
 from oomguard.jobs.command import BOOTSTRAP_DIR
+from tests.conftest import as_root
 
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -120,10 +122,15 @@ def test_attempt_files_are_read_only_as_regular_files_never_through_a_link(tmp_p
     assert read_json(tmp_path / "good.json") == {"returncode": 0}
 
 
-def wait_for_text(path: Path, text: str, timeout: float = 30) -> None:
+def wait_for_text(path: Path, text: str, timeout: float = 90) -> None:
+    """Waits for ``text`` in ``path``; on a busy 2-core machine three Python processes may take
+    a while to start, so the failure shows what the file held and what was running."""
     deadline = time.monotonic() + timeout
     while text not in (path.read_text() if path.exists() else ""):
-        assert time.monotonic() < deadline, f"{text!r} never appeared in {path}"
+        if time.monotonic() > deadline:
+            running = subprocess.run(["ps", "-eo", "pid,ppid,etime,pcpu,stat,args"], capture_output=True, text=True).stdout
+            held = path.read_text() if path.exists() else "(no file)"
+            raise AssertionError(f"{text!r} never appeared in {path} within {timeout} s; it held:\n{held}\nrunning:\n{running[-6000:]}")
         time.sleep(0.05)
 
 
@@ -142,7 +149,10 @@ def test_a_rank_that_runs_out_of_memory_brings_every_process_of_the_attempt_down
     assert status["returncode"] != 0
     assert processes.marked_with(str(attempt)) == set()
     log = (attempt / "output.log").read_text()
-    assert "oomguard: rank 0 (pid " in log and "stopping every process of the attempt" in log
+    said = next(line for line in log.splitlines() if line.startswith("oomguard: rank 0 (pid "))
+    # The process by its program and script; the error whole (not cut mid-word at 300 characters).
+    assert re.match(r"oomguard: rank 0 \(pid \d+, python[\d.]* \S*hanging_rank\.py\) died of OutOfMemoryError: CUDA out of memory", said), said
+    assert said.endswith("; stopping every process of the attempt") and "…" not in said
     assert "Traceback" in log and "OutOfMemoryError: CUDA out of memory" in log  # Python still printed it
 
 
@@ -250,3 +260,38 @@ def test_a_command_the_kernels_oom_killer_ends_is_recorded_as_host_oom(tmp_path:
     assert "not killed" not in (attempt / "output.log").read_text()
     outcome = outcome_without_report(attempt, status["returncode"], status["failed_process"], status["oom_kills"])
     assert outcome.kind == "host_oom" and "the kernel's OOM killer ended a process of the attempt" in outcome.message
+
+
+def test_a_long_error_is_cut_between_words_in_the_shims_line():
+    from oomguard.daemon.shim import ERROR_CHARS, _clipped
+
+    words = "OutOfMemoryError: CUDA out of memory. " + " ".join(f"reserved{n} by PyTorch but unallocated" for n in range(60))
+    clipped = _clipped(words)
+    assert len(clipped) <= ERROR_CHARS and clipped.endswith(" …")
+    assert words.startswith(clipped[: -len(" …")]) and words[len(clipped) - len(" …")] == " "  # ends where a word ends
+    assert _clipped("RuntimeError: short") == "RuntimeError: short"
+
+
+@as_root
+def test_a_mark_put_on_a_process_by_another_user_does_not_make_it_the_attempts(accounts, tmp_path: Path):
+    """The mark is an environment variable: bob can put alice's attempt folder in his own
+    process's environment. As root, only the attempt owner's processes count as the attempt's
+    (its GPU memory, and what is ended with it)."""
+    alice, bob = accounts["alice"], accounts["bob"]
+    attempt = str(tmp_path / "alices-attempt")
+    env = {"PATH": os.environ["PATH"], processes.ATTEMPT_DIR_ENV: attempt}
+    sleepers = [
+        subprocess.Popen(["sleep", "60"], env=env, user=account.uid, group=account.gid, extra_groups=[])
+        for account in (alice, bob)
+    ]
+    try:
+        deadline = time.monotonic() + 30
+        while len(processes.marked_with(attempt)) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert processes.marked_with(attempt, alice.uid) == {sleepers[0].pid}
+        assert processes.marked_with(attempt, bob.uid) == {sleepers[1].pid}
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()

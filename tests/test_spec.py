@@ -942,3 +942,26 @@ def test_resources_and_notify_round_trip() -> None:
     assert (spec.resources.gpus, spec.resources.share, spec.resources.memory) == (2, True, 20 * 2**30)
     assert spec.notify.urls == ("json://h/x",) and spec.notify.events == ("failed",)
     assert JobSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_an_unknown_key_in_a_command_job_lists_only_the_keys_a_command_job_may_use(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('name = "x"\ntrainer = "command"\nfoo = 1\n[command]\nargv = ["python3", "-c", "pass"]\n[train]\nbatch_size = 4\nmax_steps = 3\n')
+    with pytest.raises(JobFileError) as top:
+        load_job_file(job)
+    assert "foo: unknown key (expected one of: command, ladder, name, notify, priority, resources, train, trainer, workdir)" in str(top.value)
+    job.write_text('name = "x"\ntrainer = "command"\n[command]\nargv = ["python3", "-c", "pass"]\n[train]\nbatch_size = 4\nmax_steps = 3\nlearnin_rate = 1\n')
+    with pytest.raises(JobFileError) as train:
+        load_job_file(job)
+    assert str(train.value).endswith("train.learnin_rate: unknown key (expected one of: batch_size, max_steps, micro_batch, mixed_precision)")
+    job.write_text('name = "x"\ntrainer = "command"\n[command]\nargv = ["python3", "-c", "pass"]\n[train]\nbatch_size = 4\nmax_steps = 3\nseed = 1\n')
+    with pytest.raises(JobFileError, match="train.seed: a command job's script has its own; remove it here"):
+        load_job_file(job)
+
+
+def test_a_tilde_in_a_job_file_is_the_home_of_the_jobs_owner_not_of_whoever_parses(tmp_path):
+    """The daemon (root) parses other users' job files: bob's "~/runs" is bob's, not /root/runs."""
+    text = 'name = "x"\ntrainer = "command"\nworkdir = "~/runs"\n[command]\nargv = ["python3", "-c", "pass"]\ncwd = "~"\n[train]\nbatch_size = 4\nmax_steps = 3\n'
+    spec = parse_job_text(text, tmp_path / "x.toml", check_files=False, home="/home/ogtest-bob")
+    assert spec.workdir == "/home/ogtest-bob/runs" and spec.command.cwd == "/home/ogtest-bob"
+    assert parse_job_text(text, tmp_path / "x.toml", check_files=False).workdir == str(Path("~/runs").expanduser())

@@ -45,6 +45,8 @@ def record(attempt_dir, error_type, error):
     """Write the mark atomically (a reader never sees half a file)."""
     mark = {
         "pid": os.getpid(),
+        # What the process was, for the line the shim writes ("python3 train.py").
+        "program": " ".join([os.path.basename(sys.executable)] + sys.argv[:1])[:200],
         "rank": os.environ.get("RANK"),
         "world_size": _world_size(),
         "out_of_memory": is_out_of_memory(error_type, error),

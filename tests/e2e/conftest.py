@@ -28,10 +28,13 @@ def tiny_job(folder: Path, name: str = "tiny", max_steps: int = 12) -> Path:
     return path
 
 
-def oomguard(*args: str, state_dir: Path | None = None, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+def oomguard(
+    *args: str, state_dir: Path | None = None, timeout: float = 120, check: bool = False, cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """The CLI as a user runs it, in ``cwd`` (by default the tests' own folder)."""
     prefix = ["--state-dir", str(state_dir)] if state_dir else []
     result = subprocess.run(
-        [sys.executable, "-m", "oomguard.daemon.cli", *prefix, *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "oomguard.daemon.cli", *prefix, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd,
     )
     if check and result.returncode != 0:
         raise AssertionError(f"oomguard {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}")

@@ -20,21 +20,25 @@ SCRIPT = Path(__file__).parents[1] / "scripts" / "diffusers_like_train.py"
 STEPS = 20
 
 
-def test_a_diffusers_like_script_ooms_is_relaunched_smaller_resumes_and_finishes_every_step(tmp_path: Path, daemon_factory) -> None:
-    job = tmp_path / "script.toml"
+def diffusers_like_job(folder: Path, name: str, *arguments: str, extra: str = "") -> Path:
+    """A job file for SCRIPT: its batch of 1024 in {grad_accum} micro-batches, STEPS optimizer
+    steps, a checkpoint every 5, resumed from the latest; ``extra`` lines end [command]."""
+    argv = [
+        sys.executable, str(SCRIPT), *arguments, "--gradient_accumulation_steps={grad_accum}", f"--max_train_steps={STEPS}",
+        "--checkpointing_steps=5", "--output_dir={workdir}/out", "--resume_from_checkpoint=latest",
+    ]
+    job = folder / f"{name}.toml"
     job.write_text(
-        f"""name = "diffusers-like"
-trainer = "command"
-[command]
-argv = ["{sys.executable}", "{SCRIPT}", "--train_batch_size={{micro_batch}}", "--gradient_accumulation_steps={{grad_accum}}",
-        "--mixed_precision={{mixed_precision}}", "--max_train_steps={STEPS}", "--checkpointing_steps=5",
-        "--output_dir={{workdir}}/out", "--resume_from_checkpoint=latest"]
-[command.when]
-gradient_checkpointing = ["--gradient_checkpointing"]
-[train]
-batch_size = 1024
-max_steps = {STEPS}
-"""
+        f'name = "{name}"\ntrainer = "command"\n[command]\nargv = {json.dumps(argv)}\n{extra}\n'
+        f"[train]\nbatch_size = 1024\nmax_steps = {STEPS}\n"
+    )
+    return job
+
+
+def test_a_diffusers_like_script_ooms_is_relaunched_smaller_resumes_and_finishes_every_step(tmp_path: Path, daemon_factory) -> None:
+    job = diffusers_like_job(
+        tmp_path, "diffusers-like", "--train_batch_size={micro_batch}", "--mixed_precision={mixed_precision}",
+        extra='[command.when]\ngradient_checkpointing = ["--gradient_checkpointing"]',
     )
     # 64 MiB for the first 7 optimizer steps of each process, then 6 MiB: the full batch of
     # 1024 needs more than that, half of it fits (measured with this script).
@@ -107,3 +111,42 @@ max_steps = {steps}
         assert f"rank {rank}: train_batch_size=256 gradient_accumulation_steps=2 num_processes=2" in relaunched
     assert "Resuming from checkpoint checkpoint-3" in relaunched
     assert relaunched.rstrip().endswith(f"Steps: {steps}/{steps}")
+
+
+def test_a_script_that_ignores_its_micro_batch_is_stopped_after_two_attempts_with_the_placeholder_named(tmp_path: Path, daemon_factory) -> None:
+    # The job passes the plan's micro-batch in an environment variable the script never reads:
+    # it trains 1024 samples a micro-batch whatever the plan says. The cap drops at the job's
+    # step 7; the relaunch, resumed from step 5, meets it again at step 7 with the same batch.
+    job = diffusers_like_job(tmp_path, "ignores-its-batch", "--train_batch_size=1024", extra='env = { TRAIN_BATCH = "{micro_batch}" }')
+    daemon = daemon_factory("--emulate-device-memory", "64MiB,6MiB@7")
+    oomguard("submit", str(job), state_dir=daemon.state_dir, check=True)
+    record = daemon.wait_job("1", timeout=300)
+    assert record["state"] == "failed", (record["result"], record["report"])
+    assert len(record["attempts"]) == 2, [a["plan"] for a in record["attempts"]]
+    first, second = record["attempts"]
+    assert first["outcome"]["kind"] == second["outcome"]["kind"] == "oom"
+    assert first["outcome"]["step"] == second["outcome"]["step"] == 7  # the drop follows the job's step, not the attempt's
+    assert second["plan"]["micro_batch"] < first["plan"]["micro_batch"]
+    assert "the script probably does not honour {micro_batch}, which the job passes as 'TRAIN_BATCH={micro_batch}'" in record["result"]
+    assert "allow" not in record["report"]  # no rung is suggested for a script that ignores them
+    shown = oomguard("show", "1", state_dir=daemon.state_dir, check=True).stdout
+    assert "does not honour {micro_batch}" in shown and "TRAIN_BATCH={micro_batch}" in shown
+
+
+def test_a_command_job_without_cwd_runs_in_the_folder_it_was_submitted_from(tmp_path: Path, daemon_factory) -> None:
+    # As sbatch and pueue do: `python train.py` from the folder that holds train.py just works.
+    project, jobs = tmp_path / "project", tmp_path / "job-files"
+    project.mkdir()
+    jobs.mkdir()
+    (project / "train.py").write_text("import os\nprint('ran in', os.getcwd())\n")
+    job = jobs / "here.toml"
+    job.write_text(f"""name = "here"\ntrainer = "command"\n[command]\nargv = ["{sys.executable}", "train.py"]\n[train]\nbatch_size = 1\nmax_steps = 1\n""")
+    daemon = daemon_factory()
+    oomguard("submit", str(job), state_dir=daemon.state_dir, check=True, cwd=project)
+    record = daemon.wait_job("1", timeout=120)
+    assert record["spec"]["command"]["cwd"] == str(project)
+    assert f"ran in {project}" in oomguard("logs", "1", state_dir=daemon.state_dir, check=True).stdout
+    assert f"  runs in: {project}" in oomguard("show", "1", state_dir=daemon.state_dir, check=True).stdout
+    # Submitted from elsewhere, the relative script is not there: refused at once, with the fix.
+    refused = oomguard("submit", str(job), state_dir=daemon.state_dir, cwd=jobs)
+    assert refused.returncode != 0 and f"script train.py not found: {jobs / 'train.py'} does not exist" in refused.stderr, refused.stderr

@@ -166,7 +166,9 @@ def test_a_killed_daemon_adopts_the_attempt_it_left_running(tmp_path: Path, daem
 
 
 # A stand-in for a training script that only fits at 4 samples per micro-batch: above that it
-# dies the way PyTorch does, with a CUDA OOM message on stderr and exit status 1.
+# dies the way PyTorch does, with a CUDA OOM message on stderr and exit status 1. As in a real
+# script, what it holds and the allocation that fails grow with its micro-batch (6 GiB of
+# weights and optimizer state, 0.35 GiB of activations a sample, failing midway through).
 FITS_AT_4 = """\
 import argparse, sys
 parser = argparse.ArgumentParser()
@@ -176,11 +178,12 @@ parser.add_argument("--gradient_checkpointing", action="store_true")
 args = parser.parse_args()
 print(f"args: mb={args.train_batch_size} accum={args.gradient_accumulation_steps} ckpt={args.gradient_checkpointing}", flush=True)
 if args.train_batch_size > 4:
-    need = 2.0 + 1.5 * args.train_batch_size
+    in_use = 6.0 + 0.35 * args.train_batch_size / 4
+    request = 0.35 * args.train_batch_size / 2
     sys.stderr.write(
-        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 0 has a total capacity of 8.00 GiB "
-        f"of which 0.20 GiB is free. Including non-PyTorch memory, this process has 7.80 GiB memory in use. Of the allocated "
-        f"memory 7.50 GiB is allocated by PyTorch, and 0.10 GiB is reserved by PyTorch but unallocated.\\n"
+        f"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate {request:.2f} GiB. GPU 0 has a total capacity of 8.00 GiB "
+        f"of which {8 - in_use:.2f} GiB is free. Including non-PyTorch memory, this process has {in_use:.2f} GiB memory in use. Of "
+        f"the allocated memory {in_use - 0.1:.2f} GiB is allocated by PyTorch, and 0.10 GiB is reserved by PyTorch but unallocated.\\n"
     )
     sys.exit(1)
 print("training finished: 10 steps", flush=True)
@@ -265,3 +268,20 @@ max_steps = 4
     logs = oomguard("logs", "1", state_dir=daemon.state_dir, check=True).stdout
     assert "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in logs
     assert f"finished 4 steps at micro-batch {last['plan']['micro_batch']}" in logs
+
+
+def test_a_job_queued_behind_a_running_one_says_so_in_status(tmp_path: Path, daemon_factory) -> None:
+    marker = tmp_path / "started"
+    for name in ("first", "second"):
+        (tmp_path / f"{name}.toml").write_text(
+            f'name = "{name}"\ntrainer = "command"\n[command]\n'
+            f'argv = ["{sys.executable}", "-c", "import pathlib, time; pathlib.Path(\\"{marker}\\").touch(); time.sleep(30)"]\n'
+            "[train]\nbatch_size = 1\nmax_steps = 1\n"
+        )
+    daemon = daemon_factory()  # no GPUs: one job at a time
+    for name in ("first", "second"):
+        oomguard("submit", str(tmp_path / f"{name}.toml"), state_dir=daemon.state_dir, check=True)
+    wait_for(marker.exists, 60, "the first job to start")
+    second = wait_for(lambda: (record := daemon.show("2"))["waiting"] and record, 30, "the second job's note")
+    assert second["state"] == "queued" and second["waiting"].startswith("queued behind running job(s) 1 (without GPUs the daemon runs one at a time")
+    oomguard("cancel", "1", state_dir=daemon.state_dir, check=True)

@@ -5,6 +5,10 @@ with the same weights, after the same optimizer steps, none of them run twice.""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +88,30 @@ def test_same_losses_and_same_final_weights(uncapped: dict[str, Any], recovered:
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_demos_lines_say_it_ran_out_what_changed_and_that_it_resumed(recovered: dict[str, Any]) -> None:
+    (escalated,) = [e["message"] for e in recovered["events"] if e["kind"] == "escalated" and "at step 15" in e["message"]]
+    assert "out of memory in forward at step 15: tried to allocate" in escalated
+    assert "micro-batch 16 -> 8, gradient accumulation 1 -> 2 (effective batch 16 kept)" in escalated
+    assert escalated.endswith("resumed at step 15 in the same process")
+
+
+def test_the_readmes_demo_follow_up_commands_work_as_written(recovered: dict[str, Any]) -> None:
+    """`make demo` is this run (the same job file and cap) in demo-workdir; the README's commands
+    after it, and the Makefile's last lines, are run with this run's workdir in its place."""
+    root = Path(__file__).parents[2]
+    readme = (root / "README.md").read_text()
+    demo = readme[readme.index("`make demo` runs"): readme.index("## A job file")]
+    commands = re.findall(r"^(\.venv/bin/oomguard .+)$", demo, re.M)
+    makefile = (root / "Makefile").read_text()
+    assert f"DEMO_CAP ?= {CAP}" in makefile
+    assert len(commands) == 2 and all(command.replace(".venv/bin", "$(BIN)") in makefile for command in commands)
+    shown = {}
+    for command in commands:
+        argv = shlex.split(command.replace("demo-workdir", recovered["workdir"]))[1:]
+        done = subprocess.run([sys.executable, "-m", "oomguard.daemon.cli", *argv], capture_output=True, text=True, timeout=60, cwd=root)
+        assert done.returncode == 0, (command, done.stderr)
+        shown[argv[-2]] = done.stdout
+    assert "out of memory in forward at step 15; in-process -> [mb=8x2]" in shown["logs"]
+    assert "step 15, in the runner: [mb=16x1] -> [mb=8x2]: out of memory in forward at step 15" in shown["show"]
