@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.daemon.paths import StateDir, default_state_dir
-from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store
+from oomguard.daemon.store import TERMINAL_STATES, JobNotFound, Store, owns
 from oomguard.daemon.text import escape, escape_block
+from oomguard.daemon.users import user_name
 from oomguard.jobs.attempt import HEARTBEAT, LOG, read_json
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
 from oomguard.jobs.spec import JobFileError, load_job_file
@@ -126,16 +127,9 @@ def find_job(store: Store, key: str) -> dict[str, Any]:
         raise JobNotFound(problem)
     uid = os.geteuid()
     try:
-        return store.job_for(key, uid, _user_name(uid))
+        return store.job_for(key, uid, user_name(uid))
     except AmbiguousJobName as error:
         raise CliError(str(error)) from None
-
-
-def _user_name(uid: int) -> str | None:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return None
 
 
 def write_spool_file(inbox: Path, stem: str, text: str, suffix: str = ".toml") -> Path:
@@ -162,10 +156,10 @@ def answer_to(store: Store, spooled: Path) -> tuple[dict[str, Any] | None, dict[
     counts: the CLI never reports anyone else's answer as its own (a record under its name for
     another user means the name was taken; it is not its answer)."""
     uid = os.geteuid()
-    me = _user_name(uid)
+    me = user_name(uid)
     job = store.job_by_spool_file(spooled.name)
     if job is not None:
-        if job["owner_uid"] == uid or (job["owner_uid"] is None and job["owner"] == me):
+        if owns(job, uid, me):
             return job, None
         raise CliError(
             f"the daemon recorded the name of your file {spooled.name} for job {job['id']} of {job['owner']}, not for you: "
@@ -189,8 +183,10 @@ def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:
 
 def heartbeat_of(attempt: dict[str, Any] | None) -> dict[str, Any] | None:
     """An attempt's heartbeat; None also when it is another user's to read (a job's workdir
-    belongs to its owner): read_json says None for every file it cannot read."""
-    return read_json(Path(attempt["directory"]) / HEARTBEAT) if attempt else None
+    belongs to its owner): read_json says None for every file it cannot read, and when it is
+    not a JSON object (the job's owner writes it: anything)."""
+    heartbeat = read_json(Path(attempt["directory"]) / HEARTBEAT) if attempt else None
+    return heartbeat if isinstance(heartbeat, dict) else None
 
 
 def job_record(store: Store, job: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +275,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         attempt = newest.get(job["id"])
         running = job["state"] == "running"
         heartbeat = heartbeat_of(attempt) or {}
-        heartbeat = heartbeat if isinstance(heartbeat, dict) else {}  # written by the job's owner: anything
         spec = json.loads(job["spec"])
         plan = json.loads(job["plan"])
         max_steps = spec["train"]["max_steps"]
@@ -809,8 +804,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             break
         if not quiet and time.monotonic() - last_progress >= 5:
             heartbeat = latest_heartbeat(store, job_id)
-            if heartbeat and heartbeat["step"] != last_step and store.job(job_id)["state"] == "running":
-                last_step = heartbeat["step"]
+            if heartbeat and heartbeat.get("step") != last_step and store.job(job_id)["state"] == "running":
+                last_step = heartbeat.get("step")
                 print(f"    {progress_line(heartbeat)}", flush=True)
             last_progress = time.monotonic()
         time.sleep(0.2)

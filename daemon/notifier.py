@@ -252,22 +252,9 @@ def redact_url(url: str) -> str:
 
 
 def is_redacted(url: str) -> bool:
-    """Whether ``url`` has nothing left that redact_url masks: no password, no path segment,
-    fragment or query value (but apprise's plain settings) in clear. For forms stored by an
-    older oomguard, which kept webhook paths in clear."""
-    if url.endswith("://…") or url == "…":
-        return True
-    try:
-        split = urlsplit(url)
-    except ValueError:
-        return False
-    if split.password not in (None, _MASK) or split.fragment not in ("", _MASK):
-        return False
-    if split.password is None and split.username not in (None, _MASK):
-        return False
-    if any(segment not in ("", _MASK) for segment in split.path.split("/")):
-        return False
-    return not split.query or _mask_query(split.query) == split.query
+    """Whether ``url`` has nothing left that redact_url masks (masking it again changes
+    nothing). For forms stored by an older oomguard, which kept webhook paths in clear."""
+    return url.endswith("://…") or url == "…" or _mask_rendered(url) == url
 
 
 def _secret_parts(url: str) -> tuple[list[str], list[str]]:

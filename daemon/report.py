@@ -27,12 +27,11 @@ import math
 import os
 import re
 import statistics
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from oomguard.daemon.text import escape
+from oomguard.daemon.text import escape, shorten
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, OUTCOME, read_json
 from oomguard.strategies.outcome import Outcome, format_bytes
 from oomguard.strategies.plan import Plan
@@ -241,7 +240,7 @@ def _error_of(kind: str | None, outcome: dict[str, Any] | None) -> str | None:
     if kind not in ("crashed", "host_oom", "diverged") or not outcome:
         return None
     try:
-        return _shorten(Outcome.from_dict(outcome).summary, 160) or None
+        return shorten(Outcome.from_dict(outcome).summary, 160) or None
     except (TypeError, ValueError, AttributeError):  # an outcome of the wrong shape: nothing to quote
         return None
 
@@ -362,13 +361,13 @@ def _event_rungs(series: list[AttemptSeries], events: list[dict[str, Any]], reco
         # "rung micro_batch: <reason>": name the rung and the plan the next attempt ran.
         rung = message.split(":", 1)[0].strip() if message.startswith("rung ") else message
         after = [a for a in series if a.started_at >= at]
-        label = _shorten(rung, 28) + (f" -> [{after[0].plan}]" if after else "")
+        label = shorten(rung, 28) + (f" -> [{after[0].plan}]" if after else "")
         markers.append(RungMarker(at, attempt, "daemon", label))
     # The runner's recoveries reach the store as events too; draw only those no file holds.
     for attempt, found in runner_events.items():
         for event in found[recovered.get(attempt, 0) if attempt is not None else 0 :]:
             match = RUNNER_EVENT.search(str(event.get("message") or ""))
-            label = f"in-process -> [{match['new']}]" if match else _shorten(str(event.get("message") or "rung"), 40)
+            label = f"in-process -> [{match['new']}]" if match else shorten(str(event.get("message") or "rung"), 40)
             markers.append(RungMarker(float(event["at"]), attempt, "runner", label))
     return markers
 
@@ -415,12 +414,6 @@ def _int_or_none(value: Any) -> int | None:
 
 def _float_or_none(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _shorten(text: str, width: int) -> str:
-    """One line of at most ``width`` characters, escaped (text.escape): what it shortens comes
-    from a runner's files, which its owner may fill with anything."""
-    return textwrap.shorten(escape(" ".join(text.split())), width=width, placeholder="…")
 
 
 # Drawing ------------------------------------------------------------------------------------
@@ -480,7 +473,7 @@ def _draw_report(data: ReportData, out: Path) -> Path:
     top, bottom = fig.subplots(2, 1, gridspec_kw={"height_ratios": [3, 1.4]})
     fig.suptitle(data.title, fontsize=14, fontweight="bold")
     if data.result:
-        top.set_title(_shorten(data.result, 160), fontsize=9, color="dimgray")
+        top.set_title(shorten(data.result, 160), fontsize=9, color="dimgray")
     colors = [f"C{i}" for i in range(10)]
     band = blended_transform_factory(top.transData, top.transAxes)
     handles: list[Any] = []
@@ -574,7 +567,7 @@ def _draw_report(data: ReportData, out: Path) -> Path:
             offsets = [0.22 * (2 * (i % 7) / 6 - 1) if len(shown) > 1 else 0.0 for i in range(len(shown))]
             bottom.scatter(shown, [pos + o for o in offsets], s=8, color="black", alpha=max(0.08, min(0.6, 40 / len(shown))), lw=0, zorder=3)
         largest = max(max(r.samples_per_s, default=0.0) for r in data.rates)
-        bottom.set_yticks(positions, [_shorten(r.plan, 40) for r in data.rates], fontsize=9)
+        bottom.set_yticks(positions, [shorten(r.plan, 40) for r in data.rates], fontsize=9)
         for pos, rate in zip(positions, data.rates):
             where = ", ".join(str(n) for n in rate.attempts)
             bottom.text(max(rate.samples_per_s, default=rate.median_samples_per_s) + largest * 0.015, pos,

@@ -38,16 +38,16 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pwd
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import IO, Any
 
 from oomguard.daemon import kernel_oom, processes
+from oomguard.daemon.text import shorten
+from oomguard.daemon.users import user_name
 from oomguard.jobs.attempt import CONFIG, HEARTBEAT, LOG, METRICS, OUTCOME, SCHEDULES, write_json_atomic
 from oomguard.jobs.bootstrap import oomguard_ranks
 
@@ -94,15 +94,8 @@ def _prepare(attempt_dir: Path, workdir: str | None, config: str) -> str | None:
             temporary.write_text(config)
             temporary.replace(attempt_dir / CONFIG)
     except OSError as error:
-        return f"oomguard: the attempt cannot {where} as {_user()}: {error.strerror or error}"
+        return f"oomguard: the attempt cannot {where} as {user_name(os.geteuid())}: {error.strerror or error}"
     return None
-
-
-def _user() -> str:
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:
-        return f"uid {os.geteuid()}"
 
 
 def _clear_stale_files(attempt_dir: Path) -> None:
@@ -208,7 +201,7 @@ def _who(mark: dict[str, Any]) -> str:
 
 def _clipped(error: str) -> str:
     """An error message on one line, at most ERROR_CHARS long, cut between words."""
-    return textwrap.shorten(error, width=ERROR_CHARS, placeholder=" …")
+    return shorten(error, ERROR_CHARS)
 
 
 def _say(log: IO[bytes], text: str) -> None:

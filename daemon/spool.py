@@ -112,8 +112,8 @@ def _header_folder(text: str, header: str, display_name: str) -> tuple[Path | No
     escaped as errors other than JobFileError."""
     if not text.startswith(header):
         return None, text
-    # The line is dropped; the caller keeps the count, so that line numbers in TOML errors
-    # match the user's file.
+    # The line is dropped: `oomguard submit` added it, so without it line numbers in TOML
+    # errors match the user's file.
     line, _, rest = text.partition("\n")
     folder = Path(line[len(header):].strip())
     if not folder.is_absolute() or "\x00" in str(folder):

@@ -26,6 +26,12 @@ class JobNotFound(LookupError):
     """No job has that id or name."""
 
 
+def owns(job: dict[str, Any], uid: int, user: str | None) -> bool:
+    """Whether the user ``uid`` (named ``user``) owns ``job``: by its owner's uid, or, for a job
+    recorded before owner_uid was kept (None), by its owner's name."""
+    return job["owner_uid"] == uid or (job["owner_uid"] is None and user is not None and job["owner"] == user)
+
+
 class AmbiguousJobName(LookupError):
     """A name that several jobs have, none of them the asker's or several of them; str() lists the ids."""
 
@@ -225,8 +231,7 @@ class Store:
         rows = list(self.db.query("select * from jobs where name = ? order by id", [text]))
         if not rows:
             raise JobNotFound(f"no job {text!r}; `oomguard status` lists the jobs")
-        # owner_uid is None only for jobs recorded before it was: their owner's name says.
-        own = [row for row in rows if row["owner_uid"] == uid or (row["owner_uid"] is None and user is not None and row["owner"] == user)]
+        own = [row for row in rows if owns(row, uid, user)]
         if len(own) == 1:
             return own[0]
         if len(own) > 1:

@@ -29,7 +29,7 @@ from oomguard.daemon.paths import StateDir
 from oomguard.daemon.placement import Holder, Need, Placed, place
 from oomguard.daemon.shim import CANNOT_USE_FOLDER, EXIT_STATUS
 from oomguard.daemon.spool import DEFAULT_MAX_USER_PRIORITY, Arrival, Request, Spool, priority_refusal
-from oomguard.daemon.store import TERMINAL_STATES, AmbiguousJobName, JobNotFound, Store
+from oomguard.daemon.store import TERMINAL_STATES, AmbiguousJobName, JobNotFound, Store, owns
 from oomguard.daemon.text import escape, escape_block
 from oomguard.daemon.users import Account, PermissionRefused, check_may_change, child_environment, make_user_directory, spawn_options, system_mode
 from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, AttemptFiles, attempt_files, read_json
@@ -190,6 +190,7 @@ class Supervisor:
         self._not_before: dict[int, float] = {}
         self._last_pass: tuple[Any, ...] | None = None
         self._last_pass_at = 0.0
+        self._slots_noted: tuple[str, tuple[int, ...]] | None = None
         self._hide_stored_secrets()
         self._adopt()
 
@@ -447,7 +448,7 @@ class Supervisor:
             return False
         used = None
         if job is not None:
-            if job["owner_uid"] != owner.uid and not (job["owner_uid"] is None and job["owner"] == owner.name):
+            if not owns(job, owner.uid, owner.name):
                 used = f"job {job['id']} of {job['owner']}"
             elif os.path.lexists(self.spool.accepted / f"{job['id']:06d}-{path.name}"):
                 used = f"your job {job['id']} ({job['name']})"
@@ -503,7 +504,7 @@ class Supervisor:
             return
         limit = self.max_parallel if self.max_parallel is not None else (None if self.gpus is not None else 1)
         if limit is not None and len(self._running) >= limit:
-            self._note_slots_taken(limit)
+            self._note_slots_taken(limit, queued)
             return
         # What the GPUs hold is read once per pass, and again only after an attempt started.
         gpus = self.gpus.read() if self.gpus is not None else None
@@ -524,7 +525,7 @@ class Supervisor:
         deadline = time.monotonic() + PASS_SECONDS
         for job in queued:
             if limit is not None and len(self._running) >= limit:
-                self._note_slots_taken(limit)
+                self._note_slots_taken(limit, queued)
                 return
             if time.monotonic() > deadline:
                 self._last_pass = None  # the rest of the queue next tick
@@ -546,11 +547,16 @@ class Supervisor:
                 holders = self._holders(gpus)
                 answers.clear()
 
-    def _note_slots_taken(self, limit: int) -> None:
-        """Queued jobs that wait only for a slot say so, and for which jobs (status' note)."""
+    def _note_slots_taken(self, limit: int, queued: list[dict[str, Any]]) -> None:
+        """Queued jobs that wait only for a slot say so, and for which jobs (status' note);
+        written when the note or the queue changed, not at every tick."""
         running = ", ".join(str(job_id) for job_id in sorted(r.job_id for r in self._running.values()))
         why = f"--max-parallel {limit}" if self.max_parallel is not None else "without GPUs the daemon runs one at a time; --max-parallel raises it"
-        self.store.note_waiting(f"{SLOTS_TAKEN}{running} ({why})", replaces=SLOTS_TAKEN)
+        note = f"{SLOTS_TAKEN}{running} ({why})"
+        noted = (note, tuple(job["id"] for job in queued))
+        if noted != self._slots_noted:
+            self.store.note_waiting(note, replaces=SLOTS_TAKEN)
+            self._slots_noted = noted
 
     def _spec(self, job: dict[str, Any]) -> JobSpec:
         """The job's spec, parsed once (a job's file never changes once it is queued)."""
@@ -744,12 +750,12 @@ class Supervisor:
         end the attempt's other processes; each optimizer step is reported (oomguard_progress.py,
         with the first attempt's learning-rate schedules for oomguard_accelerate.py); under
         emulation the script's tensors count against the emulated capacity."""
-        earlier = [self._files(a) for a in self.store.attempts(job["id"])]
-        try:
-            schedules = first_schedules(earlier)
-        finally:
-            for files in earlier:
-                files.close()
+        schedules = None
+        for earlier in self.store.attempts(job["id"]):  # opened one at a time: usually the first has them
+            with self._files(earlier) as files:
+                schedules = first_schedules([files])
+            if schedules:
+                break
         env = {
             ATTEMPT_ENV: json.dumps({
                 "plan": plan.short(), "max_steps": spec.train.max_steps, "batch_size": plan.batch_size,

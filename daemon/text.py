@@ -17,9 +17,10 @@ escaped newline, but it cannot start a line.
 from __future__ import annotations
 
 import re
+import textwrap
 from typing import Any
 
-__all__ = ["escape", "escape_block"]
+__all__ = ["escape", "escape_block", "shorten"]
 
 # C0 controls (newline, CR, tab, ESC, BEL, backspace, ...), DEL and the C1 controls (0x80-0x9f:
 # CSI 0x9b and OSC 0x9d act as ESC [ and ESC ] on some terminals); the Unicode line and paragraph
@@ -65,3 +66,9 @@ def escape_block(first: Any, rest: Any = "", *, indent: str = "    ") -> str:
     if not body:
         return head
     return head + "\n" + "\n".join(indent + line for line in body.split("\n"))
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` escaped, on one line (runs of whitespace made one space) and at most ``width``
+    characters, cut between words with " …" where it was longer."""
+    return textwrap.shorten(escape(" ".join(text.split())), width=width, placeholder=" …")

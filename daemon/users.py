@@ -125,7 +125,8 @@ def system_mode() -> bool:
     return os.geteuid() == 0
 
 
-def _user_name(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """The name of the user ``uid``, or "uid N" when it has no account."""
     try:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
@@ -210,7 +211,7 @@ def check_may_change(requester: Account, owner_uid: int, action: str, job_label:
     gid, who_may = _admin_gid(admin_group)
     if gid is not None and (gid == requester.gid or gid in requester.groups):
         return
-    raise PermissionRefused(f"{requester.name} may not {action} {job_label}: it belongs to {_user_name(owner_uid)}; {who_may}")
+    raise PermissionRefused(f"{requester.name} may not {action} {job_label}: it belongs to {user_name(owner_uid)}; {who_may}")
 
 
 def spawn_options(account: Account) -> dict[str, Any]:
@@ -227,9 +228,9 @@ def spawn_options(account: Account) -> dict[str, Any]:
     if account.uid == os.geteuid():
         return {}
     raise PermissionRefused(
-        f"cannot run a process as {account.name}: this daemon runs as {_user_name(os.geteuid())}, not root, "
+        f"cannot run a process as {account.name}: this daemon runs as {user_name(os.geteuid())}, not root, "
         f"and only root can start processes as other users; run the daemon as root (system mode) or "
-        f"submit the job as {_user_name(os.geteuid())}"
+        f"submit the job as {user_name(os.geteuid())}"
     )
 
 
@@ -386,10 +387,8 @@ def make_user_directory(path: Path, account: Account) -> Path:
         st = os.fstat(descriptor)
     finally:
         os.close(descriptor)
-    if not stat.S_ISDIR(st.st_mode):
-        raise PermissionRefused(f"{path} exists and is not a directory; remove it, or {fix}")
-    if st.st_uid != account.uid:
-        raise PermissionRefused(f"{path} belongs to {_user_name(st.st_uid)}, not {account.name}; {fix}")
+    if st.st_uid != account.uid:  # a directory: open_folder opens nothing else
+        raise PermissionRefused(f"{path} belongs to {user_name(st.st_uid)}, not {account.name}; {fix}")
     return real
 
 
@@ -412,9 +411,9 @@ def _secure(path: Path, mode: int, daemon_uid: int, strict: bool) -> None:
     try:
         st = os.fstat(fd)
         if strict and st.st_uid != daemon_uid:
-            owner = _user_name(daemon_uid)
+            owner = user_name(daemon_uid)
             raise InsecureStateDir(
-                f"{path} belongs to {_user_name(st.st_uid)}, who could change the daemon's state; "
+                f"{path} belongs to {user_name(st.st_uid)}, who could change the daemon's state; "
                 f"chown it to {owner} (chown -R {owner}: {path})"
             )
         if stat.S_IMODE(st.st_mode) != mode:

@@ -19,6 +19,7 @@ from typing import Any
 
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, SCHEDULES, AttemptFiles, attempt_files
 from oomguard.strategies.memory_model import Measurement
+from oomguard.strategies.oom_text import read_tail
 from oomguard.strategies.plan import Plan
 
 # The bytes of metrics.jsonl read back (its end): ~300 bytes a step.
@@ -126,9 +127,7 @@ def _measurement(records: list[dict[str, Any]], plan: Plan) -> Measurement | Non
 def _metrics(files: AttemptFiles) -> list[dict[str, Any]]:
     try:
         with files.open(METRICS) as handle:
-            size = handle.seek(0, 2)
-            handle.seek(max(0, size - METRICS_TAIL_BYTES))
-            text = handle.read().decode("utf-8", "replace")
+            text = read_tail(handle, METRICS_TAIL_BYTES)
     except OSError:
         return []
     records = []

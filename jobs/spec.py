@@ -878,7 +878,7 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
         command_section = top.table("command", required=True)
         assert command_section is not None
         command = _parse_command(ctx, command_section, workdir)
-        for unused in ("data", "model"):
+        for unused in _NOT_FOR_COMMAND_JOBS[None]:
             if unused in raw:
                 raise top.fail(unused, f"a command job reads its own data and builds its own model: remove [{unused}] (pass what the script needs in [command] argv)")
         data, model = None, None
@@ -894,7 +894,7 @@ def _parse_job(ctx: _Ctx, raw: Mapping[str, Any], source_path: str | None) -> Jo
     train_section = top.table("train", required=True)
     assert train_section is not None
     if command is not None:
-        for owned in _SCRIPT_OWNED_TRAIN_KEYS:
+        for owned in _NOT_FOR_COMMAND_JOBS["train"]:
             if train_section.has(owned):
                 raise train_section.fail(owned, "a command job's script has its own; remove it here (pass it in [command] argv)")
     train = _parse_train(ctx, train_section)

@@ -17,10 +17,15 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from oomguard.daemon.paths import StateDir
+from oomguard.daemon.spool import Spool
+from oomguard.daemon.store import Store
+from oomguard.daemon.supervisor import Supervisor
 from oomguard.daemon.users import Account
 
 _ROOT_REASON = (
@@ -129,3 +134,18 @@ def others_can_run_oomguard() -> Iterator[None]:
     finally:
         for folder, mode in reversed(changed):
             folder.chmod(mode)
+
+
+@contextmanager
+def spooled_supervisor(folder: Path) -> Iterator[tuple[StateDir, Store, Spool, Supervisor]]:
+    """A supervisor with a spool in ``folder`` that takes files and answers requests but starts
+    no attempt (its tick runs the spool only)."""
+    state = StateDir(folder / "state").create()
+    store = Store(state.database)
+    spool = Spool(state.inbox, state.accepted, state.rejected, rescan_seconds=0.0)
+    supervisor = Supervisor(state, store, spool=spool)
+    supervisor.stopping = True
+    try:
+        yield state, store, spool, supervisor
+    finally:
+        store.close()

@@ -15,7 +15,6 @@ import math
 import os
 import string
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from oomguard.daemon.supervisor import Supervisor
 from oomguard.jobs.command import PLACEHOLDERS, WHEN_KNOBS, CommandError, CommandSpec, check, render
 from oomguard.jobs.spec import JobFileError, JobSpec, load_job_file, parse_job_text
 from oomguard.strategies.plan import Plan
+from tests.conftest import spooled_supervisor
 
 FAST = settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 FEW = settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -291,16 +291,6 @@ def test_a_template_is_checked_or_refused_never_anything_else(template: str) -> 
 
 
 # ------------------------------------------------------------------------------ the spool
-
-
-@contextmanager
-def spooled_supervisor(folder: Path) -> Iterator[tuple[StateDir, Store, Spool, Supervisor]]:
-    state = StateDir(folder / "state").create()
-    store = Store(state.database)
-    spool = Spool(state.inbox, state.accepted, state.rejected, rescan_seconds=0.0)
-    supervisor = Supervisor(state, store, spool=spool)
-    supervisor.stopping = True  # take files and answer requests; start no attempt
-    yield state, store, spool, supervisor
 
 
 file_names = st.one_of(

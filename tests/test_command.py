@@ -141,6 +141,17 @@ def test_a_script_that_imports_torch_runs_on_the_emulated_device(tmp_path: Path)
     assert "fits" in run_with_bootstrap(code, tmp_path)  # no capacity: nothing emulated
 
 
+def test_a_cap_schedule_moves_on_with_the_scripts_optimizer_steps_outside_the_daemon_too(tmp_path: Path):
+    # `OOMGUARD_EMULATE_DEVICE_MEMORY=64MiB,8MiB@2 python train.py` run by hand: 16 MiB fit
+    # before the script's second optimizer step, not after it.
+    steps = (
+        "import torch\nweight = torch.nn.Parameter(torch.zeros(4))\noptimizer = torch.optim.SGD([weight], lr=0.1)\n"
+        "for step in (1, 2):\n    torch.zeros(4 * 2**20)\n    print('step', step, 'fits', flush=True)\n    optimizer.step()\n"
+    )
+    output = run_with_bootstrap(f"{steps}{TRY_16_MIB}", tmp_path, OOMGUARD_EMULATE_DEVICE_MEMORY="64MiB,8MiB@2")
+    assert "step 1 fits" in output and "step 2 fits" in output and "OOM: CUDA out of memory. Tried to allocate 16.00 MiB." in output, output
+
+
 TRY_16_MIB = "try:\n    torch.zeros(4 * 2**20)\nexcept torch.OutOfMemoryError as error:\n    print('OOM:', str(error)[:60])\nelse:\n    print('fits')"
 
 # A library that asks whether torch is there before importing it, as datasets' config and

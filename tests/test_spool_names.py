@@ -24,6 +24,7 @@ from oomguard.daemon.spool import (
 from oomguard.daemon.store import AmbiguousJobName, JobNotFound, Store
 from oomguard.daemon.supervisor import Supervisor
 from oomguard.daemon.users import Account
+from tests.conftest import spooled_supervisor
 from tests.jobs_helpers import TINY_JOB
 
 OTHER_UID = 64999  # a uid nobody here has: "bob", whose records the tests make up
@@ -37,13 +38,8 @@ def job_text(name: str, priority: int | None = None) -> str:
 
 @pytest.fixture
 def box(tmp_path: Path) -> Iterator[tuple[StateDir, Store, Spool, Supervisor]]:
-    state = StateDir(tmp_path / "state").create()
-    store = Store(state.database)
-    spool = Spool(state.inbox, state.accepted, state.rejected, rescan_seconds=0.0)
-    supervisor = Supervisor(state, store, spool=spool)
-    supervisor.stopping = True  # take files and answer requests; start no attempt
-    yield state, store, spool, supervisor
-    store.close()
+    with spooled_supervisor(tmp_path) as parts:
+        yield parts
 
 
 def drop(state: StateDir, name: str, text: str) -> Path:

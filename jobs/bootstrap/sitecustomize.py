@@ -8,8 +8,9 @@ library unless device memory is emulated (tests, where the script runs on oomgua
 - With an emulated capacity set (OOMGUARD_EMULATE_DEVICE_MEMORY, or an emulated GPU), the
   script's tensors count against it from its first ``import torch``
   (oomguard.jobs.script_memory).
-- Under oomguard (an attempt directory set), each optimizer step is reported to the daemon
-  (oomguard_progress.py), and what accelerate restores from a checkpoint is corrected for the
+- Each optimizer step moves an emulated cap schedule on (a schedule follows the script's
+  optimizer steps); under oomguard (an attempt directory set) it is also reported to the
+  daemon (oomguard_progress.py), and what accelerate restores from a checkpoint is corrected for the
   relaunch's split (oomguard_accelerate.py); library warnings that say nothing to act on are
   kept out of the job log (oomguard_noise.py).
 - Then the sitecustomize this one hides, if any, runs as before."""
@@ -53,10 +54,15 @@ def _emulate_device_memory() -> None:
 
 
 oomguard_ranks.install()
-if os.environ.get("OOMGUARD_EMULATE_DEVICE_MEMORY") or os.environ.get("OOMGUARD_EMULATED_GPUS"):
+EMULATED = bool(os.environ.get("OOMGUARD_EMULATE_DEVICE_MEMORY") or os.environ.get("OOMGUARD_EMULATED_GPUS"))
+UNDER_OOMGUARD = bool(os.environ.get(oomguard_ranks.ATTEMPT_DIR_ENV))
+if EMULATED:
     _emulate_device_memory()
-if os.environ.get(oomguard_ranks.ATTEMPT_DIR_ENV):
-    oomguard_noise.quiet_optional_kernel_warnings()
+if EMULATED or UNDER_OOMGUARD:
+    # The optimizer-step hook moves an emulated cap schedule on (a script run by hand too),
+    # and under oomguard reports each step.
     oomguard_progress.install()
+if UNDER_OOMGUARD:
+    oomguard_noise.quiet_optional_kernel_warnings()
     oomguard_accelerate.install()
 _run_the_hidden_sitecustomize()

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -120,3 +122,20 @@ def kill_leftovers(folder: Path) -> None:
                     os.kill(int(pid_dir.name), signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+
+
+@pytest.fixture
+def lab(accounts, others_can_run_oomguard) -> Iterator[Path]:
+    """A folder every user can reach (pytest's tmp_path is private to root), with a home per
+    user (alice, bob, carol); whatever ran there is ended with it."""
+    folder = Path(tempfile.mkdtemp(prefix="oomguard-lab-", dir="/tmp"))
+    folder.chmod(0o755)
+    for name in ("alice", "bob", "carol"):
+        home = folder / name
+        home.mkdir()
+        shutil.chown(home, accounts[name].uid, accounts[name].gid)
+    try:
+        yield folder
+    finally:
+        kill_leftovers(folder)
+        shutil.rmtree(folder, ignore_errors=True)

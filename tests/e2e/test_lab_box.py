@@ -10,15 +10,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.conftest import as_root
-from tests.e2e.conftest import Daemon, kill_leftovers, oomguard, wait_for
+from tests.e2e.conftest import Daemon, oomguard, wait_for
 from tests.jobs_helpers import TINY_JOB
 
 pytestmark = [as_root, pytest.mark.slow]
@@ -32,22 +30,6 @@ def big_batch_job(name: str, max_steps: int) -> str:
     text = TINY_JOB.format(name=name, batch_size=48, max_steps=max_steps, checkpoint_every_steps=5, keep_checkpoints=2)
     text = text.replace('source = "synthetic:16"', 'source = "synthetic:48"').replace("resolution = 16", "resolution = 32")
     return text + "\n[ladder]\nprobe = false\n"
-
-
-@pytest.fixture
-def lab(accounts, others_can_run_oomguard) -> Iterator[Path]:
-    """A folder every user can reach (pytest's tmp_path is private to root), with a home per user."""
-    folder = Path(tempfile.mkdtemp(prefix="oomguard-lab-", dir="/tmp"))
-    folder.chmod(0o755)
-    for name in ("alice", "bob", "carol"):
-        home = folder / name
-        home.mkdir()
-        shutil.chown(home, accounts[name].uid, accounts[name].gid)
-    try:
-        yield folder
-    finally:
-        kill_leftovers(folder)
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def as_user(account_name: str, *args: str, state: Path, cwd: Path) -> subprocess.CompletedProcess[str]:

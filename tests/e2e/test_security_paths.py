@@ -23,10 +23,8 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,19 +46,11 @@ SLEEP = "import time; print('running', flush=True); time.sleep(600)"
 
 
 @pytest.fixture
-def lab(accounts, others_can_run_oomguard) -> Iterator[Path]:
-    """A folder every user can reach, with a home (0700) per user and the state dir."""
-    folder = Path(tempfile.mkdtemp(prefix="ogtest-sec-", dir="/tmp"))
-    folder.chmod(0o755)
-    for name in ("alice", "bob"):
-        home = folder / name
-        home.mkdir(mode=0o700)
-        shutil.chown(home, accounts[name].uid, accounts[name].gid)
-    try:
-        yield folder
-    finally:
-        kill_leftovers(folder)
-        shutil.rmtree(folder, ignore_errors=True)
+def lab(lab: Path) -> Path:
+    """The lab (tests/e2e/conftest.py) with private homes (0700), as real ones are."""
+    for name in ("alice", "bob", "carol"):
+        (lab / name).chmod(0o700)
+    return lab
 
 
 def run_as(who: Any, *argv: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import as_root
 from tests.e2e.conftest import Daemon, oomguard, wait_for
-from tests.e2e.test_lab_box import as_user, lab, write_job  # noqa: F401 - lab is a fixture
+from tests.e2e.test_lab_box import as_user, write_job
 from tests.e2e.test_notifications import Endpoint, dead_port
 
 pytestmark = [as_root, pytest.mark.slow]
@@ -74,7 +74,7 @@ def script(home: Path, owner: Any, name: str, text: str) -> Path:
 
 
 @pytest.fixture
-def box(lab: Path, accounts) -> Iterator[tuple[Path, Daemon]]:  # noqa: F811 - the lab fixture
+def box(lab: Path, accounts) -> Iterator[tuple[Path, Daemon]]:
     """The lab with private homes (0700, as real ones are) and a root daemon running jobs as their owners."""
     for name in ("alice", "bob"):
         (lab / name).chmod(0o700)
