@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test bench faults install clean
+.PHONY: demo test test-fast bench faults install clean
 
 install: $(STAMP)
 
@@ -38,8 +38,15 @@ demo: $(STAMP)
 	@echo "the attempt's log: $(BIN)/oomguard --state-dir demo-workdir/.oomguard logs 1"
 	@echo "the job's record:  $(BIN)/oomguard --state-dir demo-workdir/.oomguard show 1"
 
+# The whole suite but the benchmark smoke runs (marker `bench`), in two worker processes: most
+# tests wait on daemons and runners, so two at a time fill both cores. A file's tests stay in
+# one worker (they share module fixtures: a daemon, a corpus).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not bench" -n 2 --dist loadfile
+
+# The unit layer alone: no process started, no sleep (tests/unit/conftest.py refuses both).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
 
 # The benchmarks, about twenty minutes on 2 cores, results in bench/results/:
 # - bench/ladder.py: oomguard and accelerate's find_executable_batch_size against the best plan
@@ -47,6 +54,7 @@ test: $(STAMP)
 #   diffusers' examples (bench/command_pairs.py) (ladder.md, ladder.json, ladder.png);
 # - bench/speed.py: recovery latency, supervisor overhead, 10,000 queued jobs (speed.md, speed.json).
 bench: install
+	$(BIN)/python -m pytest -q -m bench tests/integration/test_bench_speed.py tests/integration/test_gpu_check.py
 	$(BIN)/python bench/ladder.py --update-readme
 	$(BIN)/python bench/speed.py --update-readme
 
@@ -56,6 +64,7 @@ bench: install
 # after the precision rung. About 15 minutes on 2 cores; results in bench/results/faults.md
 # and faults.json.
 faults: install
+	$(BIN)/python -m pytest -q -m bench tests/e2e/test_faults.py
 	$(BIN)/python bench/faults.py --update-readme
 
 clean:

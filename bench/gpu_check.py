@@ -21,12 +21,12 @@ after an OOM, ``outcome.json``), in a fresh process per attempt as the daemon do
 substitution: ``jobs.loop.make_trainer`` returns ``ConditionalTrainer`` (below), which has the
 built-in trainer's interface (build_model, step_inputs, slice_loss, ...) for a text-conditioned
 UNet. Between attempts it does what the supervisor's ``_next_step`` does: ``doctor.decide`` over
-the attempts so far, and the next attempt's environment from ``ladder.process_environment``
+the attempts so far, and the next attempt's environment from ``rungs.process_environment``
 (the allocator rung). A Plan's knobs are applied by oomguard's own code
 (``jobs/training.build_training`` and ``one_step``): micro_batch x grad_accum, gradient
 checkpointing (``enable_gradient_checkpointing``), the attention rung (SDPA under activation
 checkpointing: diffusers' ``set_attention_slice`` raises the training peak, see
-strategies/attention.py), bf16 autocast (fp16 with a GradScaler on a GPU without bf16), optimizer
+strategies/rungs/attention.py), bf16 autocast (fp16 with a GradScaler on a GPU without bf16), optimizer
 offload, bitsandbytes' 8-bit AdamW and peft LoRA. The job allows every rung (``--allow`` to
 change): exact rungs first, approximate ones only where no exact plan fits, as the product does.
 
@@ -531,7 +531,7 @@ def make_job(model: str, batch: int, steps: int, allow: tuple[str, ...]) -> Any:
 def run_oomguard(job: Any, card: Card, model: str, workdir: Path, env: dict[str, str], deadline: float, threads: int | None) -> dict[str, Any]:
     """The job on one card, attempt after attempt, as the daemon runs it."""
     from oomguard.jobs.attempt import LOG, OUTCOME, AttemptConfig, read_json
-    from oomguard.strategies import ladder
+    from oomguard.strategies import rungs
     from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
     from oomguard.strategies.outcome import Outcome
 
@@ -552,7 +552,7 @@ def run_oomguard(job: Any, card: Card, model: str, workdir: Path, env: dict[str,
         with (attempt_dir / LOG).open("wb") as output:
             process = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--worker-attempt", str(attempt_dir)],
-                stdout=output, stderr=subprocess.STDOUT, env=ladder.process_environment(plan, env), cwd=workdir, start_new_session=True,
+                stdout=output, stderr=subprocess.STDOUT, env=rungs.process_environment(plan, env), cwd=workdir, start_new_session=True,
             )
             returncode = follow(process, attempt_dir / LOG, deadline, f"  {card.label}: ")
         data = read_json(attempt_dir / OUTCOME)
@@ -786,22 +786,22 @@ def representative_micro_batches(start: Any) -> list[int]:
 
 
 def make_shapes(job: Any, rung_sets: tuple[tuple[str, ...], ...]) -> list[Shape]:
-    from oomguard.strategies import ladder, planner
+    from oomguard.strategies import planner, rungs
 
     start = job.initial_plan()
     allowed = set(job.ladder.allow)
     shapes: list[Shape] = []
-    for rungs in rung_sets:
-        if not set(rungs) <= allowed or any(ladder.rung(name) is None for name in rungs):
+    for names in rung_sets:
+        if not set(names) <= allowed or any(rungs.rung(name) is None for name in names):
             continue
         plan = start.replace(micro_batch=1)
-        for name in rungs:
-            stepped = ladder.rung(name).step(plan)
+        for name in names:
+            stepped = rungs.rung(name).step(plan)
             if stepped is None:
                 break
             plan = stepped
         else:
-            shapes.append(Shape(rungs=rungs, base=plan, tier=planner.faithfulness(start, plan)))
+            shapes.append(Shape(rungs=names, base=plan, tier=planner.faithfulness(start, plan)))
     return shapes
 
 
@@ -1141,7 +1141,7 @@ def main() -> int:
         return 2
 
     from oomguard.jobs.sizes import parse_size
-    from oomguard.strategies.names import RUNG_NAMES
+    from oomguard.strategies import rungs
     from oomguard.strategies.plan import Plan
     from oomguard.strategies.planner import faithfulness
 
@@ -1151,7 +1151,7 @@ def main() -> int:
     budget = args.budget or (DRY_RUN_BUDGET_S if args.dry_run else GPU_BUDGET_S)
     card_names = [c.strip() for c in (args.cards or ",".join(DRY_RUN_CARDS if args.dry_run else GPU_CARDS)).split(",") if c.strip()]
     cards = [Card(name, parse_size(name)) for name in card_names]
-    allow = tuple(a.strip() for a in args.allow.split(",")) if args.allow else RUNG_NAMES
+    allow = tuple(a.strip() for a in args.allow.split(",")) if args.allow else rungs.names()
     job = make_job(model, args.batch, args.steps, allow)
     start = job.initial_plan()
     reps = representative_micro_batches(start)

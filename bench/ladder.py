@@ -489,14 +489,14 @@ def approximate_cap(pool: Pool, steps: int, job: Job) -> dict[str, Any] | None:
     """For a job that allows approximate rungs: a cap under every exact plan, midway between
     the lowest exact peak and the lowest peak of the most faithful approximate tier that goes
     lower, so that the oracle is in that tier. None if no approximate plan goes lower."""
-    from oomguard.strategies.names import RUNG_NAMES
+    from oomguard.strategies import rungs
 
     lowest = min(job.peak(p) for p in job.tiers[0])
     for tier in sorted(t for t in job.tiers if t > 0):
         sweep(pool, steps, [(job, p) for p in job.floor(tier)], f"sweep ({job.name}: lowest peaks of tier {tier})")
         floor = min(job.peak(p) for p in job.floor(tier))
         if floor < lowest * (1 - MIN_GAP):
-            rung = RUNG_NAMES[tier - 1]
+            rung = rungs.names()[tier - 1]
             return {"cap": int((lowest + floor) / 2) // 1024 * 1024,
                     "rule": f"midway between the lowest exact peak and the lowest with `{rung}`: only approximate plans fit"}
     return None
@@ -562,7 +562,7 @@ def main() -> int:
     import diffusers
     import torch
 
-    from oomguard.strategies import ladder, planner
+    from oomguard.strategies import planner, rungs
 
     paths = args.jobs or sorted(JOBS_DIR.glob("*.toml"))
     jobs = load_jobs(paths, args.all_micro_batches)
@@ -575,7 +575,7 @@ def main() -> int:
         "torch": torch.__version__,
         "diffusers": diffusers.__version__,
         "accelerate": accelerate.__version__,
-        "rungs_with_code": [r.name for r in ladder.ORDER],
+        "rungs_with_code": list(rungs.names()),
         "load_average_at_start": os.getloadavg()[0],
     }
     log(f"{len(jobs)} jobs; rungs with code: {', '.join(machine['rungs_with_code'])}; {args.workers} workers of one thread")

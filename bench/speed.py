@@ -683,7 +683,7 @@ def supervisor_overhead(
     starts the arms at once, which saves time and spoils the start-up figures."""
     from oomguard.daemon.users import Account, child_environment
     from oomguard.jobs.attempt import AttemptConfig
-    from oomguard.strategies import ladder
+    from oomguard.strategies import rungs
 
     folder = scratch / "overhead"
     # More steps than the benchmark takes: both runs are killed at the end.
@@ -720,7 +720,7 @@ def supervisor_overhead(
             arm_dir = workdir / "attempts" / "001"
             config = AttemptConfig.from_dict({**json.loads((a_dir / "attempt.json").read_text()), "workdir": str(workdir)})
             config.write(arm_dir)
-            env = ladder.process_environment(config.plan, child_environment(Account.current(), os.environ))
+            env = rungs.process_environment(config.plan, child_environment(Account.current(), os.environ))
             tailer.watch(arm_dir / "output.log")
             with (arm_dir / "output.log").open("ab") as output:
                 started = time.time()
@@ -1270,7 +1270,7 @@ METHOD = [
     "- **Overhead.** Arm A: `oomguard daemon --stop-jobs`, `oomguard submit`; the daemon starts shim and runner. Arm B, the "
     "barest faithful baseline: the same runner (`python -m oomguard.jobs.run ATTEMPT_DIR`) on a copy of the attempt.json the "
     "daemon wrote for A (only the workdir changed), with the environment the daemon gives an attempt "
-    "(`ladder.process_environment` over `users.child_environment`), its output going to output.log as the shim does it; no "
+    "(`rungs.process_environment` over `users.child_environment`), its output going to output.log as the shim does it; no "
     "daemon, no shim. Both arms are started once and warmed up; then they take turns: the running arm's processes are "
     "continued (SIGCONT) for a turn and stopped (SIGSTOP) again, all of them (daemon, shim, runner), so only one arm ever runs "
     "and each arm's turns see the machine as the other's do. Turns go ABBA, so a steady drift cancels. The step time is the "

@@ -130,8 +130,10 @@ MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_create_tables, _ad
 
 
 class Store:
-    def __init__(self, path: Path, *, readonly: bool = False) -> None:
-        """``readonly``: for users who may read a system daemon's store but not write it."""
+    def __init__(self, path: Path, *, readonly: bool = False, now: Callable[[], float] = time.time) -> None:
+        """``readonly``: for users who may read a system daemon's store but not write it.
+        ``now``: the clock its timestamps come from (the daemon's; a test's fake one)."""
+        self._now = now
         if readonly:
             if not path.exists():
                 raise FileNotFoundError(f"no oomguard database at {path}: is the daemon running with this --state-dir?")
@@ -194,7 +196,7 @@ class Store:
                     "spec": json.dumps(spec),
                     "state": "queued",
                     "priority": priority,
-                    "submitted_at": time.time(),
+                    "submitted_at": self._now(),
                     "workdir": workdir or "",
                     "plan": json.dumps(plan),
                     "spool_file": spool_file,
@@ -255,6 +257,13 @@ class Store:
         """Jobs waiting to run: highest priority first, then first come first served."""
         return list(self.db.query("select * from jobs where state = 'queued' order by priority desc, id"))
 
+    def running_jobs(self) -> list[dict[str, Any]]:
+        return list(self.db.query("select * from jobs where state = 'running' order by id"))
+
+    def jobs_to_cancel(self) -> list[dict[str, Any]]:
+        """Jobs whose cancel was requested that have not ended yet."""
+        return list(self.db.query("select * from jobs where cancel_requested = 1 and state in ('queued', 'running')"))
+
     def update_job(self, job_id: int, **fields: Any) -> None:
         self.db["jobs"].update(job_id, fields)
 
@@ -265,7 +274,7 @@ class Store:
             self.db.conn.execute(
                 "UPDATE jobs SET waiting = ?, waiting_since = COALESCE(waiting_since, ?) WHERE state = 'queued' "
                 "AND (waiting IS NULL OR (substr(waiting, 1, ?) = ? AND waiting != ?))",
-                (reason, time.time(), len(replaces), replaces, reason),
+                (reason, self._now(), len(replaces), replaces, reason),
             )
 
     def request_cancel(self, job_id: int) -> None:
@@ -277,6 +286,9 @@ class Store:
         table = self.db["attempts"]
         table.insert(fields)
         return int(table.last_pk)
+
+    def attempt(self, attempt_id: int) -> dict[str, Any]:
+        return dict(self.db["attempts"].get(attempt_id))
 
     def update_attempt(self, attempt_id: int, **fields: Any) -> None:
         self.db["attempts"].update(attempt_id, fields)
@@ -304,7 +316,11 @@ class Store:
     # Events ---------------------------------------------------------------------------------
 
     def add_event(self, job_id: int, kind: str, message: str) -> None:
-        self.db["events"].insert({"job_id": job_id, "at": time.time(), "kind": kind, "message": message})
+        self.db["events"].insert({"job_id": job_id, "at": self._now(), "kind": kind, "message": message})
+
+    def last_event_id(self) -> int:
+        """The newest event's id (0: none yet): whether anything happened since it was read."""
+        return int(self.db.execute("select max(id) from events").fetchone()[0] or 0)
 
     def has_event_since(self, job_id: int, kind: str, since: float) -> bool:
         return self.db.execute("select 1 from events where job_id = ? and kind = ? and at >= ? limit 1", [job_id, kind, since]).fetchone() is not None
@@ -318,7 +334,7 @@ class Store:
 
     def add_request(self, **fields: Any) -> int:
         table = self.db["requests"]
-        table.insert({**fields, "at": time.time()})
+        table.insert({**fields, "at": self._now()})
         return int(table.last_pk)
 
     def request_by_file(self, file: str) -> dict[str, Any] | None:

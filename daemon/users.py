@@ -57,7 +57,7 @@ import shutil
 import stat
 import subprocess
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,7 +288,19 @@ USER_PATH_PAUSE_SECONDS = 60.0
 _slow_since: dict[int, float] = {}
 
 
-def _run_as(account: Account, argv: list[str]) -> tuple[str | None, str]:
+# Runs a short program as a user: (account, argv, timeout) -> its completed process. The
+# daemon passes its Launcher's run_as, the only place that starts processes.
+RunAs = Callable[[Account, list[str], float], "subprocess.CompletedProcess[str]"]
+
+
+def _local_run_as() -> RunAs:
+    # Imported here: the launcher imports this module (spawn_options).
+    from oomguard.daemon.launch.local import LocalLauncher
+
+    return LocalLauncher().run_as
+
+
+def _run_as(account: Account, argv: list[str], run_as: RunAs | None = None) -> tuple[str | None, str]:
     """Run coreutils' ``argv`` as `account`: (None, its output) on success, else (why not, "").
     A separate process, so that the kernel checks the user's rights (a fork of this
     multi-threaded daemon that ran Python would risk locks held by other threads). coreutils
@@ -303,10 +315,7 @@ def _run_as(account: Account, argv: list[str]) -> tuple[str | None, str]:
             f"their paths for now; submit the job again in a minute, with a workdir on a file system that answers"
         ), ""
     try:
-        result = subprocess.run(
-            argv, **spawn_options(account), cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, stdin=subprocess.DEVNULL,
-            capture_output=True, text=True, timeout=USER_PATH_SECONDS,
-        )
+        result = (run_as or _local_run_as())(account, argv, USER_PATH_SECONDS)
     except subprocess.TimeoutExpired:
         _slow_since[account.uid] = time.monotonic()
         return (
@@ -322,10 +331,10 @@ def _run_as(account: Account, argv: list[str]) -> tuple[str | None, str]:
     return None, result.stdout
 
 
-def _create_as(path: Path, account: Account) -> str | None:
+def _create_as(path: Path, account: Account, run_as: RunAs | None) -> str | None:
     """Create `path` and its missing parents as `account`; None on success, else why not."""
     if os.geteuid() == 0 and account.uid != 0:
-        return _run_as(account, [_coreutil("mkdir"), "-p", "-m", "0750", "--", str(path)])[0]
+        return _run_as(account, [_coreutil("mkdir"), "-p", "-m", "0750", "--", str(path)], run_as)[0]
     spawn_options(account)  # refuses a different user when we are not root
     try:
         os.makedirs(path, mode=0o750, exist_ok=True)
@@ -334,10 +343,10 @@ def _create_as(path: Path, account: Account) -> str | None:
     return None
 
 
-def _real_path_as(path: Path, account: Account) -> tuple[str | None, Path]:
+def _real_path_as(path: Path, account: Account, run_as: RunAs | None) -> tuple[str | None, Path]:
     """(None, the real path of the folder `path` as `account` resolves it), or (why not, path)."""
     if os.geteuid() == 0 and account.uid != 0:
-        why, out = _run_as(account, [_coreutil("realpath"), "-e", "--", str(path)])
+        why, out = _run_as(account, [_coreutil("realpath"), "-e", "--", str(path)], run_as)
         real = out.rstrip("\n")
         return (why, path) if why is not None or not real.startswith("/") else (None, Path(real))
     try:
@@ -346,7 +355,7 @@ def _real_path_as(path: Path, account: Account) -> tuple[str | None, Path]:
         return f"{error.strerror or error} ({error.filename or path})", path
 
 
-def make_user_directory(path: Path, account: Account) -> Path:
+def make_user_directory(path: Path, account: Account, run_as: RunAs | None = None) -> Path:
     """Create `path` (and missing parents) as `account`, then check that it is a directory, not a
     symbolic link, owned by `account`. An existing directory is accepted if it is theirs.
 
@@ -354,16 +363,17 @@ def make_user_directory(path: Path, account: Account) -> Path:
     on the way, such as ~/scratch -> /data/alice, are theirs to use). That is the path the daemon
     keeps, and opens later without following any link a user could have made (jobs/attempt.py
     open_folder): a folder on the way that is swapped for a link after this check is then not
-    followed, as root, into someone else's folders."""
+    followed, as root, into someone else's folders. ``run_as``: how to run a program as the
+    user (the daemon's Launcher's; by default this machine's)."""
     path = Path(path)
     fix = f"create it and chown it to {account.name}, or choose a workdir {account.name} can write"
-    why = _create_as(path, account)
+    why = _create_as(path, account, run_as)
     if why is not None:
         raise PermissionRefused(f"{account.name} cannot create {path}: {why}; {fix}")
     if path.name in ("", ".."):
-        why, real = _real_path_as(path, account)
+        why, real = _real_path_as(path, account, run_as)
     else:
-        why, parent = _real_path_as(path.parent, account)
+        why, parent = _real_path_as(path.parent, account, run_as)
         real = parent / path.name
     if why is not None:
         raise PermissionRefused(f"{account.name} cannot look at {path}: {why}; {fix}")

@@ -29,47 +29,46 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.rungs.base import Placeholder
 
 # Put first on a command job's PYTHONPATH when its device memory is emulated (script_memory.py).
 BOOTSTRAP_DIR = Path(__file__).parent / "bootstrap"
 # The attempt as the bootstrap's step reports need it, JSON (jobs/bootstrap/oomguard_progress.py).
 ATTEMPT_ENV = "OOMGUARD_ATTEMPT"
 
-# What a placeholder may name, and what it becomes for a plan.
-PLACEHOLDERS: dict[str, str] = {
-    "micro_batch": "samples per forward/backward on each process",
-    "grad_accum": "micro-batches accumulated per optimizer step",
-    "batch_size": "the effective batch (micro_batch x grad_accum x processes)",
-    "processes": "the training processes the command starts ([command] processes)",
-    "mixed_precision": "no, bf16 or fp16",
-    "attention": "default or sliced",
-    "lora_rank": "the LoRA rank (only with [command.when] lora)",
-    "workdir": "the job's work directory",
-    "attempt": "the attempt number, from 1",
-}
+# The placeholders of the job itself; the rungs' own come from their modules (CommandSide).
+_JOB_PLACEHOLDERS = (
+    Placeholder("batch_size", "the effective batch (micro_batch x grad_accum x processes)", listed=2),
+    Placeholder("processes", "the training processes the command starts ([command] processes)", listed=3),
+    Placeholder("workdir", "the job's work directory", listed=7),
+    Placeholder("attempt", "the attempt number, from 1", listed=8),
+)
 
-# [command.when] keys: the knob that adds the arguments, and when it is on.
-WHEN_KNOBS: dict[str, str] = {
-    "gradient_checkpointing": "gradient checkpointing is on",
-    "attention_slicing": "attention is sliced",
-    "optimizer_8bit": "the optimizer is 8-bit AdamW",
-    "offload_optimizer": "the optimizer state is offloaded to the host",
-    "lora": "LoRA adapters are trained (with {lora_rank})",
-}
 
-# The rungs a command job may take, by what its command exposes. The allocator rung is the
-# daemon's own (an environment variable): every script has it.
-_RUNG_NEEDS: dict[str, tuple[str, ...]] = {
-    "allocator": (),
-    "micro_batch": ("{micro_batch}", "{grad_accum}"),
-    "checkpointing": ("when:gradient_checkpointing",),
-    "attention": ("when:attention_slicing|{attention}",),
-    "offload": ("when:offload_optimizer",),
-    "precision": ("{mixed_precision}",),
-    "optimizer_8bit": ("when:optimizer_8bit",),
-    "lora": ("when:lora",),
-}
+def placeholders() -> dict[str, str]:
+    """What a placeholder may name, with what it becomes for a plan, in the order messages
+    and the README list them."""
+    every = [*_JOB_PLACEHOLDERS, *(p for r in rungs.ladder() if r.command is not None for p in r.command.placeholders)]
+    return {p.name: p.help for p in sorted(every, key=lambda p: p.listed)}
+
+
+def when_keys() -> dict[str, str]:
+    """The [command.when] keys (the knob that adds the arguments) with when they are on, in
+    the order messages and the README list them."""
+    every = [r.command.when for r in rungs.ladder() if r.command is not None and r.command.when is not None]
+    return {w.key: w.help for w in sorted(every, key=lambda w: w.listed)}
+
+
+def __getattr__(name: str) -> dict[str, str]:
+    # PLACEHOLDERS and WHEN_KNOBS, the names these tables were imported by, computed from the
+    # ladder as it is now (a test may register a rung).
+    if name == "PLACEHOLDERS":
+        return placeholders()
+    if name == "WHEN_KNOBS":
+        return when_keys()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class CommandError(ValueError):
@@ -140,10 +139,11 @@ def _quoted(argument: str, where: str) -> str:
 def check(command: CommandSpec) -> None:
     """Every placeholder known and bare, every [command.when] key known. The error says where
     (``where``): an unknown placeholder in [command.env] used to be reported as command.argv."""
+    known_placeholders, known_keys = placeholders(), when_keys()
     for where, argument in command.templates():
         for name in sorted(placeholders_in(argument, where)):
-            if name not in PLACEHOLDERS or not re.fullmatch(r"[a-z_]+", name):
-                known = ", ".join(f"{{{n}}}" for n in PLACEHOLDERS)
+            if name not in known_placeholders or not re.fullmatch(r"[a-z_]+", name):
+                known = ", ".join(f"{{{n}}}" for n in known_placeholders)
                 raise CommandError(f"unknown placeholder {{{name}}} (known: {known})", where)
         # A conversion or format spec passed str.format here and took effect at every attempt's
         # start: "{micro_batch:>99999999}" built a 100 MB argument (execve refuses it: E2BIG),
@@ -157,8 +157,8 @@ def check(command: CommandSpec) -> None:
                     where,
                 )
     for knob, _ in command.when:
-        if knob not in WHEN_KNOBS:
-            raise CommandError(f"unknown [command.when] knob {knob!r} (known: {', '.join(WHEN_KNOBS)})", f"when.{knob}")
+        if knob not in known_keys:
+            raise CommandError(f"unknown [command.when] knob {knob!r} (known: {', '.join(known_keys)})", f"when.{knob}")
 
 
 def argument_with(command: CommandSpec, placeholder: str) -> str | None:
@@ -170,14 +170,27 @@ def argument_with(command: CommandSpec, placeholder: str) -> str | None:
     return None
 
 
+def batch_argument(command: CommandSpec) -> str | None:
+    """The argument that passes the plan's micro-batch on to the script (the batch rung's
+    first placeholder), as the job file writes it: the doctor watches that the script honours
+    it. None when the command passes none."""
+    for r in rungs.ladder():
+        if r.role == "batch" and r.command is not None and r.command.placeholders:
+            return argument_with(command, r.command.placeholders[0].name)
+    return None
+
+
 def exposed_rungs(command: CommandSpec) -> tuple[str, ...]:
-    """The rungs this command can take: those whose knobs it passes on to the script."""
+    """The rungs this command can take (ladder order): those whose knobs it passes on to the
+    script. A rung without a command side is never a command job's."""
     names = command.placeholders()
     when = {knob for knob, _ in command.when}
     exposed = []
-    for rung, needs in _RUNG_NEEDS.items():
-        if all(any(_has(option, names, when) for option in need.split("|")) for need in needs):
-            exposed.append(rung)
+    for r in rungs.ladder():
+        if r.command is None:
+            continue
+        if all(any(_has(option, names, when) for option in need.split("|")) for need in r.command.needs):
+            exposed.append(r.name)
     return tuple(exposed)
 
 
@@ -188,27 +201,19 @@ def _has(need: str, names: set[str], when: set[str]) -> bool:
 
 
 def knob_is_on(plan: Plan, knob: str) -> bool:
-    return {
-        "gradient_checkpointing": plan.gradient_checkpointing,
-        "attention_slicing": plan.attention == "sliced",
-        "optimizer_8bit": plan.optimizer == "adamw8bit",
-        "offload_optimizer": plan.offload == "optimizer",
-        "lora": plan.lora_rank is not None,
-    }[knob]
+    """Whether the rung of the [command.when] key ``knob`` is on under ``plan``."""
+    for r in rungs.ladder():
+        if r.command is not None and r.command.when is not None and r.command.when.key == knob:
+            return r.is_on(plan)
+    raise KeyError(knob)
 
 
 def values(plan: Plan, workdir: Path, attempt: int) -> dict[str, str]:
-    return {
-        "micro_batch": str(plan.micro_batch),
-        "grad_accum": str(plan.grad_accum),
-        "batch_size": str(plan.batch_size),
-        "processes": str(plan.world_size),
-        "mixed_precision": plan.mixed_precision,
-        "attention": plan.attention,
-        "lora_rank": str(plan.lora_rank or 0),
-        "workdir": str(workdir),
-        "attempt": str(attempt),
-    }
+    known = {"batch_size": str(plan.batch_size), "processes": str(plan.world_size), "workdir": str(workdir), "attempt": str(attempt)}
+    for r in rungs.ladder():
+        if r.command is not None:
+            known.update(r.command.values(plan))
+    return known
 
 
 def render(command: CommandSpec, plan: Plan, workdir: Path, attempt: int) -> tuple[list[str], dict[str, str]]:

@@ -50,9 +50,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from oomguard.jobs.trainers import TRAINER_NAMES
+from oomguard.strategies import rungs
 from oomguard.strategies.doctor import Policy
-from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
-from oomguard.jobs.command import WHEN_KNOBS, CommandError, CommandSpec, argument_with, check, exposed_rungs, script_argument
+from oomguard.jobs.command import CommandError, CommandSpec, batch_argument, check, exposed_rungs, script_argument, when_keys
 from oomguard.jobs.sizes import parse_size
 from oomguard.strategies.plan import MixedPrecision, Plan
 
@@ -157,7 +157,7 @@ _SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
     "resources": _RESOURCES_KEYS,
     "notify": _NOTIFY_KEYS,
     "command": _COMMAND_KEYS,
-    "command.when": tuple(WHEN_KNOBS),
+    "command.when": tuple(when_keys()),
     # [command.env] takes any variable name: checked one by one.
 }
 # A job file is a few hundred bytes; the spool reads at most this much of one (plus the header
@@ -349,7 +349,7 @@ class TrainSpec:
 class LadderSpec:
     """Which rungs a job may climb, and how many attempts it gets."""
 
-    allow: tuple[str, ...] = EXACT_RUNG_NAMES
+    allow: tuple[str, ...] = field(default_factory=rungs.exact_names)
     max_attempts: int = 12
     crash_retries: int = 2
     # Measure a few steps at two micro-batch sizes before the first attempt and start at a
@@ -445,7 +445,7 @@ class JobSpec:
             max_attempts=self.ladder.max_attempts,
             crash_retries=self.ladder.crash_retries,
             initial=self.initial_plan(),
-            micro_batch_argument=argument_with(self.command, "micro_batch") if self.command is not None else None,
+            micro_batch_argument=batch_argument(self.command) if self.command is not None else None,
         )
 
     def replace(self, **changes: Any) -> JobSpec:
@@ -1188,7 +1188,7 @@ def _parse_train(ctx: _Ctx, s: _Section) -> TrainSpec:
 
 
 def _parse_ladder(ctx: _Ctx, s: _Section) -> LadderSpec:
-    allow = s.names("allow", RUNG_NAMES, "rung", default=EXACT_RUNG_NAMES)
+    allow = s.names("allow", rungs.names(), "rung", default=rungs.exact_names())
     max_attempts = s.int("max_attempts", minimum=1, default=12)
     crash_retries = s.int("crash_retries", minimum=0, default=2)
     probe = s.bool("probe", default=True)

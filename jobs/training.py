@@ -20,7 +20,7 @@ from oomguard.jobs.attempt import Control
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.spec import JobSpec
-from oomguard.strategies import ladder
+from oomguard.strategies import rungs
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import MemoryFigures
 from oomguard.strategies.plan import Plan
@@ -102,7 +102,7 @@ class Training:
 
     def apply(self, plan: Plan) -> None:
         """Switch to ``plan``, which differs only in knobs a running process can change."""
-        ladder.configure_model(plan, self.model)
+        rungs.configure_model(plan, self.model)
         self.plan = plan
 
 
@@ -138,7 +138,7 @@ def build_training(
                 quantize_base(model, plan.base_quantization)
     model = model.to(device)
     memory.move_in(model.parameters())
-    ladder.configure_model(plan, model)
+    rungs.configure_model(plan, model)
     optimizer = build_optimizer(plan, model, job.train.learning_rate, job.train.weight_decay, memory)
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer=optimizer, num_warmup_steps=job.train.lr_warmup_steps)
     precision = resolve_mixed_precision(plan.mixed_precision, device)

@@ -10,35 +10,21 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from oomguard.strategies import ladder, planner
+from oomguard.strategies import planner, rungs
 from oomguard.strategies.contention import Contention, find_contention
 from oomguard.strategies.memory_model import Measurement, MemoryModel
-from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
 from oomguard.strategies.outcome import MemoryFigures, Outcome, format_bytes
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.planner import KNOB_OF_RUNG, candidate_plans, rungs_between
-
-
-# Rungs that shrink activations: no help when the OOM came before any activation existed
-# (building the model or loading its checkpoint).
-ACTIVATION_RUNGS = ("micro_batch", "checkpointing", "attention")
-
-# The rungs that shrink each consumer of the OOM breakdown.
-RUNGS_FOR_CONSUMER: dict[str, tuple[str, ...]] = {
-    "activations": (*ACTIVATION_RUNGS, "precision"),
-    "optimizer_state": ("offload", "optimizer_8bit", "lora"),
-    "gradients": ("lora",),
-    "parameters": ("lora", "base_quantization"),
-}
+from oomguard.strategies.planner import candidate_plans, rungs_between
 
 
 @dataclass(frozen=True)
 class Policy:
     """What the job allows: which rungs, and how many tries."""
 
-    allow: tuple[str, ...] = EXACT_RUNG_NAMES
+    allow: tuple[str, ...] = field(default_factory=rungs.exact_names)
     max_attempts: int = 12
     crash_retries: int = 2
     # Attempts cut short by a neighbour's spike (contention) in a row, at most: a GPU that
@@ -190,9 +176,16 @@ def unsafe_rungs(history: Sequence[PastAttempt], policy: Policy) -> tuple[str, .
     origin = policy.initial or history[0].plan
     unsafe = {
         name for past in history if past.outcome.kind == "diverged"
-        for name in rungs_between(origin, past.plan) if name not in EXACT_RUNG_NAMES
+        for name in rungs_between(origin, past.plan) if not _rung(name).exact
     }
-    return tuple(name for name in RUNG_NAMES if name in unsafe)
+    return tuple(name for name in rungs.names() if name in unsafe)
+
+
+def _rung(name: str) -> rungs.Rung:
+    """A rung the planner named (it names only rungs on the ladder)."""
+    found = rungs.rung(name)
+    assert found is not None, name
+    return found
 
 
 def _after_divergence(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy, unsafe: tuple[str, ...]) -> Decision:
@@ -205,8 +198,9 @@ def _after_divergence(outcome: Outcome, plan: Plan, history: Sequence[PastAttemp
     taken = [name for name in rungs_between(origin, plan) if name in unsafe]
     if not taken:
         return give_up(f"{diverged}; the job's own settings diverge: look at its learning rate and data", history, policy)
-    knobs = {KNOB_OF_RUNG[name]: getattr(origin, KNOB_OF_RUNG[name]) for name in taken}
-    reverted = plan.replace(**knobs)
+    reverted = plan
+    for name in taken:
+        reverted = _rung(name).set(reverted, _rung(name).get(origin))
     diagnosis = f"{diverged}; {', '.join(taken)} marked unsafe for this job"
     # Plans that ran out of memory, in an attempt or when measured (the probe).
     failed = {past.plan for past in history if past.outcome.kind == "oom" and contention_of(past) is None}
@@ -317,10 +311,14 @@ def measurements_of(history: Sequence[PastAttempt]) -> list[Measurement]:
 
 
 def _origin(plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Plan:
-    """The job's own plan (nothing saved) with the allocator setting now in force: the
-    planner searches everything reachable from it, so it may also undo a rung."""
+    """The job's own plan (nothing saved) with the process settings (the allocator) now in
+    force: the planner searches everything reachable from it, so it may also undo a rung (but
+    never a cure for fragmentation, which it does not weigh)."""
     origin = policy.initial or (history[0].plan if history else plan)
-    return origin.replace(allocator=plan.allocator)
+    for rung in rungs.ladder():
+        if rung.role == "process":
+            origin = rung.set(origin, rung.get(plan))
+    return origin
 
 
 # A smaller micro-batch whose steady peak is at least this share of the larger one's did not
@@ -368,14 +366,17 @@ def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], pol
             "or write the argument the script does read, and submit the job again",
         )
     memory = outcome.memory
-    if is_fragmentation(memory) and "allocator" in policy.allow:
-        new_plan = ladder.IMPLEMENTED["allocator"].step(plan)
-        if new_plan is not None and new_plan not in failed:
-            diagnosis += (
-                f"; {format_bytes(memory.reserved_unallocated)} reserved but unallocated"  # type: ignore[union-attr]
-                " is at least the request: fragmentation"
-            )
-            return NextPlan(plan=new_plan, rung="allocator", reason=f"{diagnosis} -> {ladder.IMPLEMENTED['allocator'].describe(plan, new_plan)}")
+    if is_fragmentation(memory):
+        for rung in rungs.ladder():
+            if not rung.cures_fragmentation or rung.name not in policy.allow:
+                continue
+            new_plan = rung.step(plan)
+            if new_plan is not None and new_plan not in failed:
+                diagnosis += (
+                    f"; {format_bytes(memory.reserved_unallocated)} reserved but unallocated"  # type: ignore[union-attr]
+                    " is at least the request: fragmentation"
+                )
+                return NextPlan(plan=new_plan, rung=rung.name, reason=f"{diagnosis} -> {rung.describe(plan, new_plan)}")
     if outcome.phase == "setup":
         diagnosis += "; the model and its state do not fit before training starts"
     capacity = memory.total if memory is not None else None
@@ -397,9 +398,9 @@ def _plan_by_numbers(
         return None
     choice = planner.choose(origin, allowed, model, capacity)
     if choice is not None:
-        rungs = rungs_between(plan, choice.plan) or ("micro_batch",)
-        return NextPlan(plan=choice.plan, rung="+".join(rungs), reason=f"{diagnosis} -> {choice.summary(capacity)}")
-    everything = [p for p in candidate_plans(origin, [n for n in RUNG_NAMES if n not in policy.unsafe]) if p not in failed]
+        taken = rungs_between(plan, choice.plan) or _batch_rungs()
+        return NextPlan(plan=choice.plan, rung="+".join(taken), reason=f"{diagnosis} -> {choice.summary(capacity)}")
+    everything = [p for p in candidate_plans(origin, [n for n in rungs.names() if n not in policy.unsafe]) if p not in failed]
     wider = planner.choose(origin, everything, model, capacity)
     if wider is not None:
         needed = [name for name in rungs_between(origin, wider.plan) if name not in policy.allow]
@@ -410,32 +411,37 @@ def _plan_by_numbers(
     return give_up(f"{diagnosis}; no plan fits {format_bytes(capacity)}, even with every rung oomguard has", history, policy)
 
 
+def _batch_rungs() -> tuple[str, ...]:
+    """What a plan that differs from the last only in how its batch is run took (the planner's
+    answer may equal the plan the process ran, at another micro-batch)."""
+    return tuple(r.name for r in rungs.ladder() if r.role == "batch")
+
+
 def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy, failed: set[Plan], diagnosis: str) -> Decision:
     """Without numbers: the first allowed rung that gives a plan not yet run out of memory;
     exact rungs before approximate ones, and within each, the rungs that shrink the consumer
-    that dominated the OOM before the others (then ladder order)."""
-    rungs = [r.name for r in ladder.ORDER if r.name != "allocator"]
+    that dominated the OOM before the others (then ladder order). Process rungs answer
+    fragmentation only."""
+    order = [(position, r) for position, r in enumerate(rungs.ladder()) if r.role != "process"]
     if outcome.phase == "setup":
-        rungs = [name for name in rungs if name not in ACTIVATION_RUNGS]
+        order = [(position, r) for position, r in order if not r.activations_only]
     dominant = outcome.memory.dominant_consumer() if outcome.memory is not None else None
-    targeted = RUNGS_FOR_CONSUMER.get(dominant or "", ())
-    rungs.sort(key=lambda name: (not ladder.IMPLEMENTED[name].exact, name not in targeted, RUNG_NAMES.index(name)))
-    for name in rungs:
-        if name not in policy.allow:
+    order.sort(key=lambda item: (not item[1].exact, dominant not in item[1].shrinks, item[0]))
+    for _, rung in order:
+        if rung.name not in policy.allow:
             continue
-        rung = ladder.IMPLEMENTED[name]
         new_plan = rung.step(plan)
         while new_plan is not None and new_plan in failed:
             new_plan = rung.step(new_plan)
         if new_plan is not None:
-            return NextPlan(plan=new_plan, rung=name, reason=f"{diagnosis} -> {rung.describe(plan, new_plan)}")
+            return NextPlan(plan=new_plan, rung=rung.name, reason=f"{diagnosis} -> {rung.describe(plan, new_plan)}")
     return give_up(f"{diagnosis}; no allowed rung is left", history, policy)
 
 
 def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: Policy, capacity: int | None) -> NextPlan | None:
     """After an OOM in forward or backward: a plan the running process can switch to (the
     rungs that need no restart), or None when only a new process can help."""
-    allowed = [name for name in policy.allow if (r := ladder.rung(name)) is not None and not r.needs_restart]
+    allowed = [name for name in policy.allow if (r := rungs.rung(name)) is not None and not r.needs_restart]
     failed = {m.plan for m in measurements if not m.fits and (capacity is None or m.capacity is None or m.capacity >= capacity)}
     candidates = [p for p in candidate_plans(plan.replace(micro_batch=plan.per_rank_batch), allowed, restart=False) if p not in failed]
     model = MemoryModel(measurements)
@@ -443,18 +449,18 @@ def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: P
         choice = planner.choose(plan, candidates, model, capacity)
         if choice is None:
             return None
-        rungs = rungs_between(plan, choice.plan) or ("micro_batch",)
-        return NextPlan(plan=choice.plan, rung="+".join(rungs), reason=f"in-process -> {choice.summary(capacity)}")
-    # No numbers: halve the micro-batch, then checkpointing.
-    for name in ("micro_batch", "checkpointing", "attention"):
-        rung = ladder.rung(name)
-        if rung is None or name not in allowed:
+        taken = rungs_between(plan, choice.plan) or _batch_rungs()
+        return NextPlan(plan=choice.plan, rung="+".join(taken), reason=f"in-process -> {choice.summary(capacity)}")
+    # No numbers: the allowed in-process rungs in ladder order (halve the micro-batch, then
+    # checkpointing, then attention).
+    for rung in rungs.ladder():
+        if rung.name not in allowed:
             continue
         new_plan = rung.step(plan)
         while new_plan is not None and new_plan in failed:
             new_plan = rung.step(new_plan)
         if new_plan is not None:
-            return NextPlan(plan=new_plan, rung=name, reason=f"in-process -> {rung.describe(plan, new_plan)}")
+            return NextPlan(plan=new_plan, rung=rung.name, reason=f"in-process -> {rung.describe(plan, new_plan)}")
     return None
 
 
@@ -481,17 +487,17 @@ def report(history: Sequence[PastAttempt], policy: Policy, needed: Sequence[str]
 def _ladder_advice(policy: Policy, needed: Sequence[str]) -> list[str]:
     """The rungs the job does not allow, and the ``[ladder] allow`` line that would add them."""
     lines = []
-    not_allowed = [name for name in RUNG_NAMES if name not in policy.allow and name not in policy.unsafe]
+    not_allowed = [name for name in rungs.names() if name not in policy.allow and name not in policy.unsafe]
     if not_allowed:
         lines.append("Rungs this job does not allow: " + ", ".join(not_allowed) + ".")
     # Suggest the rungs that would make a plan fit, when the memory model knows them; else
     # every rung this version can take (allowing one without code would change nothing).
-    could_help = list(needed) or [name for name in not_allowed if ladder.rung(name) is not None]
+    could_help = list(needed) or [name for name in not_allowed if rungs.rung(name) is not None]
     if could_help:
         lines.append('To allow more, extend the job file, e.g.: [ladder] allow = [' + ", ".join(f'"{n}"' for n in (*policy.allow, *could_help)) + "]")
     elif not_allowed:
         lines.append("Every rung this version of oomguard implements is already allowed.")
-    missing = [name for name in policy.allow if ladder.rung(name) is None]
+    missing = [name for name in policy.allow if rungs.rung(name) is None]
     if missing:
         lines.append("Allowed but not available in this version of oomguard: " + ", ".join(missing) + ".")
     return lines

@@ -26,37 +26,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.rungs.base import MemoryTerms
 
-# What each knob does to the activations of one sample, relative to the plain plan. Measured
-# on the built-in UNet trainer under the emulated device (tests/test_memory_model.py and
-# tests/test_rung_memory.py hold the measurements these are rounded from).
-ACTIVATION_FACTOR = {
-    "gradient_checkpointing": 0.62,
-    "sliced_attention": 0.9,
-    "half_precision": 0.6,
-    "lora": 1.05,
-}
-# What each knob does to the time of one sample's forward and backward.
-TIME_FACTOR = {
-    "gradient_checkpointing": 1.15,
-    "sliced_attention": 1.1,
-    "half_precision": 1.0,
-    "offload_optimizer": 1.1,
-    "adamw8bit": 1.05,
-    "lora": 0.9,
-    "base_quantization": 1.1,
-}
+# What each knob does to activations, time and the static consumers is its rung's
+# MemoryTerms (strategies/rungs/); this module only combines them.
+
 # With one timed micro-batch size, the share of its time assumed not to grow with its size.
 SINGLE_SIZE_FIXED_SHARE = 0.5
-# Bytes of optimizer state per byte of trainable parameters: AdamW keeps two fp32 moments;
-# an 8-bit AdamW keeps two 8-bit moments plus block scales.
-OPTIMIZER_STATE_PER_PARAMETER_BYTE = {"adamw": 2.0, "adamw8bit": 0.55}
-# A LoRA adapter's parameters as a share of the base model's (rank 16 on a small UNet; an
-# overestimate on big models, which errs towards fitting).
-LORA_PARAMETER_SHARE = 0.1
-# Bytes kept per byte of a frozen fp32 base weight when it is quantized.
-QUANTIZED_PARAMETER_SHARE = {"int8": 0.27, "nf4": 0.16}
+# Bytes of optimizer state per byte of trainable parameters of the plain plan: AdamW keeps two
+# fp32 moments (a rung's terms may say otherwise).
+ADAMW_STATE_PER_PARAMETER_BYTE = 2.0
 
 # Predicted peaks must stay this far under the capacity: a line fitted to the shape itself
 # is good to a few percent; a prediction carried over from another shape is rougher.
@@ -101,36 +82,38 @@ class Measurement:
         return cls(**values)
 
 
+def _set_aside(plan: Plan, roles: tuple[str, ...]) -> Plan:
+    """The plan with the knobs of the rungs of ``roles`` at their defaults."""
+    for r in rungs.ladder():
+        if r.role in roles:
+            plan = r.set(plan, r.default)
+    return plan
+
+
 @functools.lru_cache(maxsize=8192)
 def shape_of(plan: Plan) -> Plan:
-    """The plan with micro-batch and allocator set aside: what the peak line depends on.
-    (Kept for the plans seen last: the planner asks it for thousands of candidates.)"""
-    return plan.replace(micro_batch=1, allocator="")
+    """The plan with micro-batch and allocator (the batch and process rungs) set aside: what
+    the peak line depends on. (Kept for the plans seen last: the planner asks it for thousands
+    of candidates.)"""
+    return _set_aside(plan, ("batch", "process"))
 
 
-# Which of the factors' knobs a plan has turned on.
-KNOB_IS_ON = {
-    "gradient_checkpointing": lambda plan: plan.gradient_checkpointing,
-    "sliced_attention": lambda plan: plan.attention == "sliced",
-    "half_precision": lambda plan: plan.mixed_precision != "no",
-    "offload_optimizer": lambda plan: plan.offload == "optimizer",
-    "adamw8bit": lambda plan: plan.optimizer == "adamw8bit",
-    "lora": lambda plan: plan.lora_rank is not None,
-    "base_quantization": lambda plan: plan.base_quantization is not None,
-}
+def _without_process_knobs(plan: Plan) -> Plan:
+    """The plan as far as its memory goes: process settings (the allocator) set aside."""
+    return _set_aside(plan, ("process",))
 
 
-def _factor(table: dict[str, float], plan: Plan) -> float:
-    """The product of the table's factors for the knobs ``plan`` has on."""
-    return math.prod(factor for knob, factor in table.items() if KNOB_IS_ON[knob](plan))
+def _terms(plan: Plan) -> list[MemoryTerms]:
+    """The memory terms of the rungs ``plan`` has on, in ladder order."""
+    return [terms for r in rungs.ladder() if (terms := r.memory(plan)) is not None]
 
 
 def _activation_factor(plan: Plan) -> float:
-    return _factor(ACTIVATION_FACTOR, plan)
+    return math.prod(terms.activation for terms in _terms(plan))
 
 
 def _time_factor(plan: Plan) -> float:
-    return _factor(TIME_FACTOR, plan)
+    return math.prod(terms.time for terms in _terms(plan))
 
 
 @dataclass(frozen=True)
@@ -148,28 +131,40 @@ class StaticBytes:
         return self.parameters + self.gradients + self.optimizer_state + self.casts
 
 
+def _first(values: Iterable[float | None]) -> float | None:
+    return next((value for value in values if value is not None), None)
+
+
 def _full_parameter_bytes(shape: Plan, static: dict[str, int]) -> float | None:
     """The bytes the whole model's parameters take in full precision, from what a run of
     ``shape`` measured."""
     parameters = static.get("parameters")
     if parameters is None:
         return None
+    terms = _terms(shape)
+    adapter_share = _first(t.adapter_share for t in terms)
     share = 1.0
-    if shape.lora_rank is not None:
-        share = LORA_PARAMETER_SHARE + (QUANTIZED_PARAMETER_SHARE[shape.base_quantization] if shape.base_quantization else 1.0)
+    if adapter_share is not None:
+        base_share = _first(t.base_share for t in terms)
+        share = adapter_share + (base_share if base_share is not None else 1.0)
     return parameters / share
 
 
 def static_bytes(shape: Plan, full_parameters: float) -> StaticBytes:
     """What parameters, gradients and optimizer state of ``shape`` take on the device."""
-    if shape.lora_rank is None:
+    terms = _terms(shape)
+    adapter_share = _first(t.adapter_share for t in terms)
+    if adapter_share is None:
+        # Nothing is frozen, so nothing is quantized either.
         parameters = trainable = full_parameters
     else:
-        trainable = full_parameters * LORA_PARAMETER_SHARE
-        base_share = QUANTIZED_PARAMETER_SHARE[shape.base_quantization] if shape.base_quantization else 1.0
-        parameters = full_parameters * base_share + trainable
-    optimizer = 0.0 if shape.offload == "optimizer" else trainable * OPTIMIZER_STATE_PER_PARAMETER_BYTE[shape.optimizer]
-    casts = parameters / 2 if shape.mixed_precision != "no" else 0.0
+        trainable = full_parameters * adapter_share
+        base_share = _first(t.base_share for t in terms)
+        parameters = full_parameters * (base_share if base_share is not None else 1.0) + trainable
+    per_byte = _first(t.optimizer_bytes_per_byte for t in terms)
+    on_device = all(t.optimizer_on_device for t in terms)
+    optimizer = trainable * (per_byte if per_byte is not None else ADAMW_STATE_PER_PARAMETER_BYTE) if on_device else 0.0
+    casts = parameters * sum(t.cast_share for t in terms)
     return StaticBytes(parameters=parameters, gradients=trainable, optimizer_state=optimizer, casts=casts)
 
 
@@ -192,7 +187,7 @@ class MemoryModel:
     def __init__(self, measurements: Iterable[Measurement]) -> None:
         self.measurements = list(measurements)
         # Each measurement's plan with the allocator set aside (fits() compares with it).
-        self._measured_as = [(m, m.plan.replace(allocator="")) for m in self.measurements]
+        self._measured_as = [(m, _without_process_knobs(m.plan)) for m in self.measurements]
         self._lines: dict[Plan, Line] = {}
         # What line() and the speed lines work out for a shape, kept: the planner asks for
         # every micro-batch of every shape, and the model does not change once built.
@@ -302,7 +297,7 @@ class MemoryModel:
         ``optimistic`` asks whether it could fit at all (the smallest margin for every
         prediction): the probe measures such a plan to find out, the doctor never takes one.
         """
-        key = plan.replace(allocator="")
+        key = _without_process_knobs(plan)
         for m, measured in self._measured_as:
             # What ran out of memory at this capacity or more does not fit now either.
             if not m.fits and measured == key and (m.capacity is None or m.capacity >= capacity):
@@ -392,5 +387,4 @@ def _accum(runs: Sequence[Measurement], size: int) -> int:
 
 def _distance(a: Plan, b: Plan) -> int:
     """How many knobs two shapes differ in."""
-    fields = ("gradient_checkpointing", "attention", "offload", "mixed_precision", "optimizer", "lora_rank", "base_quantization")
-    return sum(getattr(a, name) != getattr(b, name) for name in fields)
+    return sum(r.get(a) != r.get(b) for r in rungs.ladder() if r.role == "shape")

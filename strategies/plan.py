@@ -44,8 +44,14 @@ class Plan:
     # slice (a user's script given --train_batch_size and --gradient_accumulation_steps):
     # only micro-batches that divide the per-rank batch keep the effective batch.
     even_slices: bool = False
+    # Knobs of rungs that Plan has no field for (a rung added in its own module alone), as
+    # sorted (knob, value) pairs: hashable, and absent from to_dict while empty, so stored plans
+    # and checkpoints read as before.
+    extra: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.extra:
+            object.__setattr__(self, "extra", tuple(sorted(dict(self.extra).items())))
         if self.batch_size < 1 or self.world_size < 1:
             raise ValueError(f"batch_size and world_size must be >= 1: {self}")
         if self.batch_size % self.world_size:
@@ -92,35 +98,41 @@ class Plan:
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)
 
+    def extra_value(self, knob: str, default: Any) -> Any:
+        return dict(self.extra).get(knob, default)
+
+    def with_extra(self, knob: str, value: Any, default: Any) -> Plan:
+        """The plan with an extra knob set; a knob at its default is left out, so that a plan
+        that never turned it equals one that turned it back."""
+        extra = {k: v for k, v in self.extra if k != knob}
+        if value != default:
+            extra[knob] = value
+        return self.replace(extra=tuple(extra.items()))
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        del data["extra"]
+        if self.extra:
+            data["extra"] = dict(self.extra)
         data["grad_accum"] = self.grad_accum
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in fields})
+        values = {k: v for k, v in data.items() if k in fields}
+        if "extra" in values:
+            values["extra"] = tuple(dict(values["extra"]).items())
+        return cls(**values)
 
     def short(self) -> str:
-        """One line for tables and logs, naming only what differs from the defaults."""
+        """One line for tables and logs, naming only what differs from the defaults: the
+        micro-batch, the processes, then each rung's label in ladder order."""
+        # Imported here: the rung modules import Plan.
+        from oomguard.strategies import rungs
+
         parts = [f"mb={self.micro_batch}x{self.grad_accum}"]
         if self.world_size > 1:
             parts.append(f"{self.world_size} processes")
-        if self.allocator:
-            parts.append("expandable")
-        if self.gradient_checkpointing:
-            parts.append("ckpt")
-        if self.attention != "default":
-            parts.append(f"attn={self.attention}")
-        if self.offload != "none":
-            parts.append(f"offload={self.offload}")
-        if self.mixed_precision != "no":
-            parts.append(self.mixed_precision)
-        if self.optimizer != "adamw":
-            parts.append(self.optimizer)
-        if self.lora_rank is not None:
-            parts.append(f"lora={self.lora_rank}")
-        if self.base_quantization is not None:
-            parts.append(f"base={self.base_quantization}")
+        parts += [label for r in rungs.ladder() if (label := r.label(self)) is not None]
         return " ".join(parts)

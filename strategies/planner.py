@@ -11,24 +11,10 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from oomguard.strategies import ladder
+from oomguard.strategies import rungs
 from oomguard.strategies.memory_model import MemoryModel
 from oomguard.strategies.outcome import format_bytes
-from oomguard.strategies.names import EXACT_RUNG_NAMES, RUNG_NAMES
 from oomguard.strategies.plan import Plan
-
-# The Plan field each rung turns (micro_batch's is the micro-batch itself).
-KNOB_OF_RUNG = {
-    "allocator": "allocator",
-    "micro_batch": "micro_batch",
-    "checkpointing": "gradient_checkpointing",
-    "attention": "attention",
-    "offload": "offload",
-    "precision": "mixed_precision",
-    "optimizer_8bit": "optimizer",
-    "lora": "lora_rank",
-    "base_quantization": "base_quantization",
-}
 
 
 @dataclass(frozen=True)
@@ -49,36 +35,39 @@ class Choice:
 
 def rungs_between(old: Plan, new: Plan) -> tuple[str, ...]:
     """The rungs (ladder order) whose knobs differ between two plans."""
-    return tuple(name for name in RUNG_NAMES if getattr(old, KNOB_OF_RUNG[name]) != getattr(new, KNOB_OF_RUNG[name]))
+    return tuple(r.name for r in rungs.ladder() if r.get(old) != r.get(new))
 
 
 def describe_change(old: Plan, new: Plan) -> str:
     """What changed from ``old`` to ``new``, in words, rung by rung (ladder order)."""
-    return "; ".join(ladder.IMPLEMENTED[name].describe(old, new) for name in rungs_between(old, new) if name in ladder.IMPLEMENTED)
+    return "; ".join(r.describe(old, new) for r in rungs.ladder() if r.get(old) != r.get(new))
 
 
 def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) -> list[Plan]:
-    """Every plan reachable from ``start`` by allowed rungs that have code.
+    """Every plan reachable from ``start`` by allowed rungs: the shapes their steps reach, each
+    with every value of the allowed batch rungs (the micro-batch sizes worth trying). Process
+    rungs (the allocator) are the doctor's answer to fragmentation, never a candidate.
 
     ``restart=False`` keeps to rungs that take effect inside a running process.
     """
-    allowed = {name for name in allow if ladder.rung(name) is not None}
-    shape_rungs = [
-        r for r in ladder.ORDER
-        if r.name in allowed and r.name not in ("micro_batch", "allocator") and (restart or not r.needs_restart)
-    ]
+    allowed = set(allow)
+    usable = [r for r in rungs.ladder() if r.name in allowed and (restart or not r.needs_restart)]
     shapes = {start}
     frontier = [start]
     while frontier:
         plan = frontier.pop()
-        for r in shape_rungs:
+        for r in usable:
+            if r.role != "shape":
+                continue
             new = r.step(plan)
             if new is not None and new not in shapes:
                 shapes.add(new)
                 frontier.append(new)
-    if "micro_batch" not in allowed:
-        return sorted(shapes, key=_order)
-    plans = {shape.replace(micro_batch=size) for shape in shapes for size in start.micro_batch_choices()}
+    plans = shapes
+    for r in usable:
+        if r.role == "batch" and r.choices is not None:
+            values = list(r.choices(start))
+            plans = {r.set(plan, value) for plan in plans for value in values}
     return sorted(plans, key=_order)
 
 
@@ -93,7 +82,7 @@ def _order(plan: Plan) -> tuple[str, ...]:
 def faithfulness(start: Plan, plan: Plan) -> int:
     """0 for a plan that only takes exact rungs; else 1 + the ladder position of its most
     invasive approximate rung (precision < 8-bit optimizer < LoRA < quantized base)."""
-    approximate = [RUNG_NAMES.index(name) for name in rungs_between(start, plan) if name not in EXACT_RUNG_NAMES]
+    approximate = [index for index, r in enumerate(rungs.ladder()) if not r.exact and r.get(start) != r.get(plan)]
     return 1 + max(approximate) if approximate else 0
 
 

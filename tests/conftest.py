@@ -64,19 +64,32 @@ def user_exists(name: str) -> bool:
         return False
 
 
-# Test sessions that run at the same time (several engineers, or a session beside CI) share
-# the throwaway users: each holds a shared lock on this file while it uses them, and only the
-# last one to finish (the one that can turn its lock exclusive) removes them.
+# Test sessions that run at the same time (pytest-xdist's workers, several engineers, a session
+# beside CI) share the throwaway users: each holds a shared lock on the users lock while it uses
+# them, and only the last one to finish (the one that can turn its lock exclusive) removes them.
+# Creating and removing take a second, exclusive lock of their own: a session must not wait for
+# the users lock to be free to create them (it never is while another session runs).
 _USERS_LOCK = Path(tempfile.gettempdir()) / "ogtest-users.lock"
+_CHANGE_LOCK = Path(tempfile.gettempdir()) / "ogtest-users-change.lock"
+
+
+@contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    handle = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(handle)
 
 
 @pytest.fixture(scope="session")
 def accounts() -> Iterator[dict[str, Account]]:
     """alice (also in ogtest-extra), bob, carol (in ogtest-admin). Idempotent: users and groups
     left over from a crashed run are reused."""
-    lock = os.open(_USERS_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # one session creates them at a time
-    try:
+    in_use = os.open(_USERS_LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+    with _exclusive(_CHANGE_LOCK):
+        fcntl.flock(in_use, fcntl.LOCK_SH)
         for group in (EXTRA, ADMIN):
             if not group_exists(group):
                 _sh("groupadd", group)
@@ -85,23 +98,22 @@ def accounts() -> Iterator[dict[str, Account]]:
                 _sh("useradd", "-M", "-U", "-s", "/usr/sbin/nologin", "-d", f"/nonexistent/{name}", name)
         _sh("usermod", "-aG", EXTRA, ALICE)
         _sh("usermod", "-aG", ADMIN, CAROL)
-    finally:
-        fcntl.flock(lock, fcntl.LOCK_SH)
     try:
         yield {name.removeprefix("ogtest-"): Account.from_name(name) for name in (ALICE, BOB, CAROL)}
     finally:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            last = True
-        except BlockingIOError:
-            last = False  # another session still uses them: it removes them
-        if last:
-            for name in (ALICE, BOB, CAROL):
-                subprocess.run(["userdel", name], capture_output=True, timeout=30)
-            for group in (EXTRA, ADMIN, ALICE, BOB, CAROL):  # user groups too, if userdel left them
-                if group_exists(group):
-                    subprocess.run(["groupdel", group], capture_output=True, timeout=30)
-        os.close(lock)
+        with _exclusive(_CHANGE_LOCK):
+            try:
+                fcntl.flock(in_use, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                last = True
+            except BlockingIOError:
+                last = False  # another session still uses them: it removes them
+            if last:
+                for name in (ALICE, BOB, CAROL):
+                    subprocess.run(["userdel", name], capture_output=True, timeout=30)
+                for group in (EXTRA, ADMIN, ALICE, BOB, CAROL):  # user groups too, if userdel left them
+                    if group_exists(group):
+                        subprocess.run(["groupdel", group], capture_output=True, timeout=30)
+            os.close(in_use)
 
 
 @pytest.fixture
@@ -149,3 +161,16 @@ def spooled_supervisor(folder: Path) -> Iterator[tuple[StateDir, Store, Spool, S
         yield state, store, spool, supervisor
     finally:
         store.close()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Other test processes may share the cores: more threads than cores makes torch's CPU
+    kernels crawl, and one thread keeps the step times comparable. For a module's tests, by
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ from oomguard.jobs.attempt import METRICS, OUTCOME, AttemptConfig
 from oomguard.jobs.spec import JobSpec, parse_job_text
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from tests import warm_runner
 
 TINY_JOB = """\
 name = "{name}"
@@ -111,30 +112,21 @@ class RunResult:
 
 
 def run_runner(attempt_dir: Path, timeout: float = 120) -> RunResult:
-    done = subprocess.run(
-        runner_command(attempt_dir), capture_output=True, text=True, timeout=timeout, env=runner_env()
-    )
-    return RunResult(attempt_dir, done.returncode, done.stdout, done.stderr)
+    return run_runners([attempt_dir], timeout)[0]
 
 
 def run_runners(attempt_dirs: list[Path], timeout: float = 180) -> list[RunResult]:
-    """Run several attempts side by side (each runner uses one thread) and wait for all."""
-    processes = [
-        subprocess.Popen(
-            runner_command(d), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=runner_env()
-        )
-        for d in attempt_dirs
-    ]
+    """Run several attempts side by side (each runner uses one thread) and wait for all. Each
+    is forked from a process that has imported torch already (tests/warm_runner.py)."""
+    runners = [warm_runner.start(d, runner_env()) for d in attempt_dirs]
     results = []
     try:
-        for attempt_dir, process in zip(attempt_dirs, processes):
-            stdout, stderr = process.communicate(timeout=timeout)
-            results.append(RunResult(attempt_dir, process.returncode, stdout, stderr))
+        for attempt_dir, runner in zip(attempt_dirs, runners):
+            returncode, stdout, stderr = runner.wait(timeout)
+            results.append(RunResult(attempt_dir, returncode, stdout, stderr))
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.communicate()
+        for runner in runners:
+            runner.kill()
     return results
 
 

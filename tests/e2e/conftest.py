@@ -16,6 +16,9 @@ from typing import Any
 
 import pytest
 
+from oomguard.daemon.cli import find_job, job_record
+from oomguard.daemon.paths import StateDir
+from oomguard.daemon.store import Store
 from tests.jobs_helpers import TINY_JOB
 
 # Emulated peaks of TINY_JOB (measured): micro-batch 8 about 4.1 MiB, 4 about 2.5 MiB. This
@@ -85,7 +88,14 @@ class Daemon:
         return self.process.wait(timeout=timeout)
 
     def show(self, job: str) -> dict[str, Any]:
-        return json.loads(oomguard("show", job, "--json", state_dir=self.state_dir, check=True).stdout)
+        """The record `oomguard show JOB --json` prints, read in this process: tests poll it every
+        0.2 s, and a CLI process per poll (about 0.4 s of CPU) took a core from the jobs under
+        test. tests/integration/test_cli.py runs `show --json` itself."""
+        store = Store(StateDir(self.state_dir).database, readonly=True)
+        try:
+            return json.loads(json.dumps(job_record(store, find_job(store, job))))
+        finally:
+            store.close()
 
     def wait_job(self, job: str, timeout: float = 180) -> dict[str, Any]:
         return wait_for(

@@ -7,8 +7,10 @@ daemon is still running; at the end, the valid jobs submitted beside the bad inp
 another user, running the whole time, whose cancel by a third user is refused) have finished,
 no bad input became a job, and the daemon never logged an internal error.
 
-Malformed job files (tests/bad_jobs) are exercised the same way by test_bad_input.py. Cases
-that need other users run only as root (tests/conftest.py makes throwaway accounts).
+The malformed job files of tests/bad_jobs go the same two ways: to `oomguard submit` (in this
+process, through cli.main: seventy CLI processes cost a minute of CPU, and the corpus's submit
+cases run the real command line) and into the inbox. Cases that need other users run only as
+root (tests/conftest.py makes throwaway accounts).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import pytest
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.spool import Rejection, Spool
 from oomguard.daemon.store import JobNotFound, Store
-from tests.bad_inputs.corpus import Case, bad_job_files, load_cases
+from oomguard.daemon import cli
+from tests.bad_inputs.corpus import Case, bad_job_expectation, bad_job_files, load_cases
 from tests.conftest import as_root
 from tests.e2e.conftest import Daemon, kill_leftovers, oomguard, tiny_job, wait_for
 
 CASES = load_cases()
+BAD_JOBS = bad_job_files()
 CAN_USE_ACCOUNTS = not as_root.args[0]  # as_root is skipif(condition): the condition says "not root"
 
 # A command job of alice's that runs until the last test releases it: it is running while the
@@ -190,6 +194,10 @@ def assert_clear(message: str, expected: str) -> None:
 # ------------------------------------------------------------------------------------ the corpus
 
 
+def test_there_are_enough_malformed_job_files() -> None:
+    assert len(BAD_JOBS) >= 12
+
+
 def test_the_corpus_has_at_least_50_named_cases() -> None:
     names = [case.name for case in CASES] + [path.stem for path in bad_job_files()]
     assert len(names) >= 50 and len(set(names)) == len(names)
@@ -209,7 +217,50 @@ def test_submit_refuses(case: Case, box: Box) -> None:
     assert box.daemon.alive()
 
 
+def spool_entries(box: Box) -> set[str]:
+    return {f"{folder.name}/{entry.name}" for folder in (box.state.inbox, box.state.accepted, box.state.rejected) for entry in folder.iterdir()}
+
+
+@pytest.mark.parametrize("path", BAD_JOBS, ids=lambda path: path.stem)
+def test_submit_refuses_a_malformed_job_file(path: Path, box: Box, capsys: pytest.CaptureFixture[str]) -> None:
+    before = spool_entries(box)
+    code = cli.main(["--state-dir", str(box.daemon.state_dir), "submit", str(path)])
+    error = capsys.readouterr().err
+    assert code == 2, error
+    assert_clear(error, bad_job_expectation(path))
+    assert path.name in error
+    assert spool_entries(box) == before, "a refused file reached the spool"
+
+
 # ------------------------------------------------------------------------------------ the inbox
+
+
+@pytest.fixture(scope="module")
+def malformed_errors(box: Box) -> dict[str, str | None]:
+    """Every malformed job file dropped in the inbox at once (copied, as a user with a shell
+    would: no validation on the way); the .error of each once the daemon has written it."""
+    staging = box.staging("malformed")
+    dropped = {path.name: f"malformed-{path.name}" for path in BAD_JOBS}
+    for path in BAD_JOBS:
+        shutil.copy(path, staging / dropped[path.name])
+        os.rename(staging / dropped[path.name], box.state.inbox / dropped[path.name])
+
+    def error(name: str) -> str | None:
+        written = box.state.rejected / f"{dropped[name]}.error"
+        return written.read_text() if written.exists() else None
+
+    wait_for(lambda: all(error(path.name) is not None for path in BAD_JOBS), 60, "every malformed file to be rejected")
+    return {path.name: error(path.name) for path in BAD_JOBS}
+
+
+@pytest.mark.parametrize("path", BAD_JOBS, ids=lambda path: path.stem)
+def test_the_daemon_rejects_a_malformed_job_file_in_the_inbox(path: Path, box: Box, malformed_errors: dict[str, str | None]) -> None:
+    error = malformed_errors[path.name]
+    assert error is not None
+    assert_clear(error, bad_job_expectation(path))
+    assert (box.state.rejected / f"malformed-{path.name}").exists()
+    assert not (box.state.inbox / f"malformed-{path.name}").exists()
+    assert box.daemon.alive()
 
 
 @pytest.fixture(scope="module")

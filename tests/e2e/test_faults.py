@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+# About four minutes of daemons and runners: `make faults` runs it (pytest -m bench), `make test` does not.
+pytestmark = [pytest.mark.slow, pytest.mark.bench]
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "bench"))
 import faults  # noqa: E402

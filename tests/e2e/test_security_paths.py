@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import sqlite3
 import subprocess
@@ -30,7 +29,6 @@ from typing import Any
 
 import pytest
 
-from oomguard.daemon import supervisor as supervisor_module
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store
 from oomguard.daemon.supervisor import Supervisor
@@ -38,7 +36,7 @@ from oomguard.daemon.users import Account
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import doctor
 from tests.conftest import as_root
-from tests.e2e.conftest import Daemon, kill_leftovers, oomguard, wait_for
+from tests.e2e.conftest import Daemon, kill_leftovers, wait_for
 
 pytestmark = [as_root, pytest.mark.slow]
 
@@ -227,7 +225,7 @@ def test_the_daemon_never_enters_a_workdir_for_its_owner(open_tmp: Path, account
                 real.rename(workdir)
             return process
 
-        monkeypatch.setattr(supervisor_module.subprocess, "Popen", start_then_swap_back)
+        monkeypatch.setattr(subprocess, "Popen", start_then_swap_back)  # the launcher's Popen (daemon/launch/local.py)
         wait_for(lambda: (supervisor.tick(), supervisor.job_done(his))[1], 60, "bob's job", interval=0.05)
         log = (workdir / "attempts" / "001" / "output.log").read_text()
         assert not loot.exists(), f"bob's command ran in alice's folder and copied her log: {log}"

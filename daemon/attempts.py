@@ -1,0 +1,438 @@
+"""An attempt's files and how it ended: what its processes wrote, read as its owner's, turned
+into one Outcome by conclude(), whatever the attempt left (a runner's report, the shim's exit
+status, the end of its log, or nothing at all)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pwd
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from oomguard.daemon.clock import Clock
+from oomguard.daemon.events import Events, how_long, log_error
+from oomguard.daemon.job_secrets import with_env
+from oomguard.daemon.launch import Exit, Handle, LaunchFailed, Launcher, LaunchRequest
+from oomguard.daemon.lifecycle import Lifecycle, State
+from oomguard.daemon.monitor import GpuMonitor
+from oomguard.daemon.store import Store
+from oomguard.daemon.users import Account, PermissionRefused, child_environment, spawn_options
+from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, AttemptFiles, attempt_files
+from oomguard.jobs.command import ATTEMPT_ENV, BOOTSTRAP_DIR, last_step_count, render
+from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
+from oomguard.jobs.script_report import ScriptReport, first_schedules, read_script_report
+from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV
+from oomguard.jobs.spec import JobSpec
+from oomguard.strategies import rungs
+from oomguard.strategies.oom_text import read_oom, read_tail
+from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.plan import Plan
+from oomguard.strategies.planner import describe_change
+
+if TYPE_CHECKING:
+    from oomguard.daemon.intake import Secrets
+    from oomguard.daemon.scheduler import JobCache
+
+# How much of a silent runner's output.log is read for the error it died of, and how much of
+# that end is kept in its outcome (traceback_tail: where the error it is summed up by is read).
+OUTPUT_TAIL_BYTES = 256 * 1024
+TRACEBACK_TAIL_CHARS = 4000
+# A runner asked to stop (SIGTERM) checkpoints first; after this long it is killed.
+STOP_GRACE_SECONDS = 120.0
+# An attempt without a new heartbeat for this long is reported as stalled (once).
+STALL_SECONDS = 1800.0
+
+
+@dataclass(frozen=True)
+class Running:
+    attempt_id: int
+    job_id: int
+    handle: Handle
+
+
+def handle_of(attempt: dict[str, Any]) -> Handle:
+    """The launcher's handle of an attempt, from its row."""
+    return Handle(attempt["directory"], attempt["pid"], attempt["pid_started"])
+
+
+def owner_uid(job: dict[str, Any]) -> int:
+    """The uid of the job's owner; -1 (nobody's) for a job from before owner_uid was kept
+    whose user no longer exists."""
+    if job["owner_uid"] is not None:
+        return int(job["owner_uid"])
+    try:
+        return pwd.getpwnam(job["owner"]).pw_uid
+    except KeyError:
+        return -1
+
+
+def owner_of(job: dict[str, Any]) -> Account:
+    if job["owner_uid"] is not None:
+        return Account.from_uid(job["owner_uid"])
+    return Account.from_uid(pwd.getpwnam(job["owner"]).pw_uid)  # a job from before owner_uid
+
+
+def files_of(store: Store, attempt: dict[str, Any]) -> AttemptFiles:
+    """What the attempt's processes wrote, opened as its owner's: the workdir is walked to
+    without following a link its owner could have put on its path, and it, attempts/, the
+    attempt's folder and each file read must be the owner's (jobs/attempt.py). Its owner can
+    swap any of them for a link into another user's folders at any time; the daemon (root)
+    then reads nothing, never that user's files. Close it (a context manager)."""
+    job = store.job(attempt["job_id"])
+    return AttemptFiles.owned_by(Path(os.path.abspath(attempt["directory"])), owner_uid(job), job["owner"])
+
+
+def conclude(
+    job: dict[str, Any], attempt: dict[str, Any], files: AttemptFiles, ended: Exit, restarted_since: Callable[[float], bool],
+) -> Outcome:
+    """How the attempt ended: its runner's report (outcome.json) when it wrote one, else what
+    its shim recorded and its log shows. ``restarted_since``: did the machine restart after a
+    moment (the launcher's answer), stopping whatever ran then."""
+    outcome = _reported(job, files, ended)
+    if outcome is None and not ended.recorded and (attempt["pid"] is None or attempt["term_sent_at"] or restarted_since(attempt["started_at"])):
+        # Never started (the daemon died first), killed after it was asked to stop, or the
+        # machine restarted under it: not the job's fault, and no crash retry is used up.
+        outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
+    if outcome is None:
+        plan = Plan.from_dict(json.loads(attempt["plan"]))
+        if files.problem is not None:
+            outcome = Outcome(kind="crashed", message=f"the attempt ended, but {files.problem}")
+        else:
+            outcome = outcome_without_report(files, ended.returncode, ended.failed_process, ended.oom_kills, plan)
+    if outcome.kind == "cancelled":
+        outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
+    return outcome
+
+
+def _reported(job: dict[str, Any], files: AttemptFiles, ended: Exit) -> Outcome | None:
+    """The runner's report, or that nothing could run; None when neither says how it ended."""
+    data = files.read_json(OUTCOME)
+    outcome: Outcome | None = None
+    if ended.no_folder:
+        owner = job["owner"]
+        outcome = Outcome(
+            kind="crashed",
+            message=f"the attempt could not enter its workdir {job['workdir']} or make its folder there as {owner}, so nothing "
+            f"ran: the workdir must be a folder {owner} owns and may enter (not replaced, and not behind a folder {owner} "
+            "cannot search)",
+        )
+    if isinstance(data, dict):
+        try:
+            outcome = Outcome.from_dict(data)
+        except (TypeError, ValueError, KeyError, AttributeError) as error:
+            outcome = Outcome(kind="crashed", message=f"its outcome.json cannot be read ({type(error).__name__}: {error})")
+    return outcome
+
+
+def ended_summary(attempt: dict[str, Any], outcome: Outcome) -> str:
+    """The attempt-ended event's line."""
+    resumed = f"resumed from step {outcome.resumed_from}" if outcome.resumed_from is not None else "started at step 0"
+    summary = f"attempt {attempt['number']} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
+    if outcome.kind == "oom" and outcome.phase:
+        summary += f" in {outcome.phase}"
+    elif outcome.kind in ("crashed", "host_oom", "diverged") and outcome.summary:
+        summary += f": {outcome.summary}"
+    return summary
+
+
+def outcome_without_report(
+    attempt_dir: Path | AttemptFiles, returncode: int | None, failed_process: dict[str, Any] | None = None, oom_kills: int | None = None,
+    plan: Plan | None = None,
+) -> Outcome:
+    """How an attempt ended whose runner wrote no outcome.json (killed, died hard, or a user
+    command that does not report): an OOM its output shows (a CUDA OOM it printed, the kernel's
+    OOM killer), else what the exit status says. ``returncode`` is None when no daemon watched.
+    ``failed_process`` is the first process that recorded its own death (exit.json): when it
+    died of an OOM, that error is the cause, whatever the other ranks printed as they were
+    stopped after it. ``oom_kills`` is how many processes the kernel's OOM killer ended while
+    the attempt ran (exit.json, daemon/kernel_oom.py): a failed attempt during which it struck
+    ran out of host memory, even though a SIGKILL leaves no message. ``plan``: the attempt's,
+    for what a command job's script reported through the bootstrap (jobs/script_report.py).
+    ``attempt_dir``: the daemon passes the AttemptFiles it opened as the owner's."""
+    files = attempt_files(attempt_dir)
+    if returncode is None:
+        fallback = Outcome(kind="crashed", message="the attempt was killed with its shim (no exit status recorded), without reporting")
+    else:
+        fallback = Outcome.from_exit_status(returncode)
+    try:
+        with files.open(LOG) as log:
+            text = read_tail(log, max_bytes=OUTPUT_TAIL_BYTES)
+    except OSError:
+        text = ""
+    verdict = read_oom(text)
+    cause = failed_process.get("error") if failed_process else None
+    if isinstance(cause, str) and read_oom(cause).kind != "not_oom":
+        verdict = read_oom(cause)
+    # How far it got: the steps the bootstrap reported, else the script's own progress line.
+    script = read_script_report(files, plan) if plan is not None else ScriptReport()
+    step = script.step if script.step is not None else last_step_count(text) or 0
+    measured = (script.measurement,) if script.measurement is not None else ()
+    fallback = dataclasses.replace(fallback, resumed_from=script.resumed_from, measurements=measured)
+    if verdict.is_device_oom:
+        figures = verdict.memory_figures()
+        return dataclasses.replace(
+            fallback, kind="oom", step=step, memory=figures, message=verdict.message,
+            measurements=measured + ((figures.measurement(plan, step),) if plan is not None else ()),
+        )
+    if fallback.kind == "finished":
+        return dataclasses.replace(fallback, step=step, message="the command exited with code 0" + (f" at optimizer step {step}" if step else ""))
+    if oom_kills and returncode not in (None, 0) and fallback.kind == "crashed":
+        return dataclasses.replace(
+            fallback, kind="host_oom", step=step, traceback_tail=verdict.message,
+            message=f"the kernel's OOM killer ended a process of the attempt: host memory (RAM) ran out ({oom_kills} OOM "
+            "kill(s) on this machine while it ran, /proc/vmstat oom_kill; `dmesg | grep -i oom` names the process)",
+        )
+    if verdict.kind == "host_oom":
+        return dataclasses.replace(fallback, kind="host_oom", step=step, message=verdict.reason, traceback_tail=verdict.message)
+    if not text:
+        return fallback
+    # What the attempt died of is the exception line of this tail (Outcome.summary); the first
+    # process that recorded its own death (a rank) names it before the ranks stopped after it.
+    message = cause if isinstance(cause, str) else fallback.message
+    return dataclasses.replace(fallback, step=step, message=message, traceback_tail=text[-TRACEBACK_TAIL_CHARS:])
+
+
+class Attempts:
+    """Starts a job's next attempt through the Launcher, watches the running ones (stop
+    deadline, stalls, rungs the runner took itself), adopts what an earlier daemon left, and
+    collects each that ended: its Outcome (conclude) recorded, and ``after`` told."""
+
+    def __init__(
+        self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, secrets: Secrets, jobs: JobCache, *,
+        gpus: GpuMonitor | None, stall_seconds: float, after: Callable[[dict[str, Any], Outcome], None],
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.launcher = launcher
+        self.lifecycle = lifecycle
+        self.events = events
+        self.secrets = secrets
+        self.jobs = jobs  # parsed specs and needs, kept by the scheduler
+        self.gpus = gpus
+        self.stall_seconds = stall_seconds
+        self.after = after  # what the job does next, once its attempt's end is recorded
+        self.running: dict[int, Running] = {}
+
+    def files_of(self, attempt: dict[str, Any]) -> AttemptFiles:
+        return files_of(self.store, attempt)
+
+    def start(self, job: dict[str, Any], gpus: tuple[int, ...] | None) -> None:
+        spec = self.jobs.spec(job)
+        plan = Plan.from_dict(json.loads(job["plan"]))
+        number = len(self.store.attempts(job["id"])) + 1
+        # Absolute: the shim starts in / (a --state-dir given as a relative path makes relative workdirs).
+        workdir = Path(os.path.abspath(job["workdir"]))
+        attempt_dir = workdir / "attempts" / f"{number:03d}"
+        config = AttemptConfig(
+            job=spec,
+            plan=plan,
+            number=number,
+            workdir=workdir,
+            emulate_device_memory=job["emulate_device_memory"],
+            # Only the job's first attempt measures: later ones have the history. A command
+            # job's script does not measure for us.
+            probe=spec.ladder.probe and number == 1 and spec.command is None,
+        )
+        try:
+            owner = owner_of(job)
+            spawn_options(owner)  # refused before the attempt is recorded: a user this daemon cannot run as
+        except (PermissionRefused, KeyError) as error:
+            self.lifecycle.end(job, State.FAILED, f"cannot run it as its owner {job['owner']}: {error}", next_step="nothing: the job has ended; submit it again as a user that exists")
+            return
+        env = self._environment(plan, owner, gpus)
+        # The attempt is in the store before its process exists: a daemon that dies in between
+        # finds the row and looks for it (adopt), so no attempt is started twice.
+        attempt_id = self.lifecycle.start(
+            job,
+            number=number,
+            plan=json.dumps(plan.to_dict()),
+            rung=job["next_rung"],
+            reason=job["next_reason"],
+            directory=str(attempt_dir),
+            gpus=",".join(str(i) for i in gpus) if gpus is not None else None,
+            started_at=self.clock.time(),
+        )
+        runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
+        cwd = None
+        if spec.command is not None:
+            # The user's own script, with the plan's knobs in its arguments: the bootstrap
+            # reports its steps, the shim's exit.json and the log's last error how it ended.
+            # The store holds the job's [command.env] masked: the real values come from its secrets file.
+            runner, extra_env = render(with_env(spec.command, self.secrets.env(job["id"])), plan, workdir, number)
+            env.update(extra_env)
+            cwd = spec.command.cwd
+            env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
+        request = LaunchRequest(
+            attempt_dir=attempt_dir, argv=tuple(runner), env=env, owner=owner, workdir=workdir, cwd=cwd,
+            stdin=json.dumps(config.to_dict(), indent=2).encode(), gpus=gpus,
+        )
+        self._launch(job, attempt_id, number, request, plan)
+
+    def _launch(self, job: dict[str, Any], attempt_id: int, number: int, request: LaunchRequest, plan: Plan) -> None:
+        """Start the recorded attempt; a launcher that cannot start it at all fails the job."""
+        gpus, owner = request.gpus, request.owner
+        try:
+            handle = self.launcher.start(request)
+        except LaunchFailed as error:
+            outcome = Outcome(kind="crashed", message=error.why)
+            with self.store.atomic():
+                self.lifecycle.end_attempt(attempt_id, outcome)
+                self.lifecycle.end(job, State.FAILED, outcome.message, next_step=f"nothing: the job has ended; {error.fix}, and submit it again")
+            return
+        self.store.update_attempt(attempt_id, pid=handle.pid, pid_started=handle.started)
+        self.running[attempt_id] = Running(attempt_id, job["id"], handle)
+        # Which checkpoint it resumes from is the runner's to find (it verifies the files; the
+        # daemon neither hashes gigabytes in its loop nor reads through a user's folder).
+        where = f" on GPU {','.join(str(i) for i in gpus)}" if gpus is not None else ""
+        self.events.event(job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}]")
+
+    def _environment(self, plan: Plan, owner: Account, gpus: tuple[int, ...] | None) -> dict[str, str]:
+        """The attempt's environment: the owner's, the plan's (the allocator rung), its GPUs."""
+        env = rungs.process_environment(plan, child_environment(owner, os.environ))
+        if gpus is not None:
+            # NVML numbers the cards in PCI bus order; CUDA must count them the same way.
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpus)
+            if self.gpus is not None and self.gpus.source.emulated_root is not None:
+                env[EMULATED_GPUS_ENV] = str(self.gpus.source.emulated_root)
+        return env
+
+    def _bootstrap_environment(self, job: dict[str, Any], spec: JobSpec, plan: Plan, python_path: str) -> dict[str, str]:
+        """What a command job's Python processes need to load jobs/bootstrap/sitecustomize.py,
+        unchanged: a process that dies of an OOM (or a rank that dies) says so for the shim to
+        end the attempt's other processes; each optimizer step is reported (oomguard_progress.py,
+        with the first attempt's learning-rate schedules for oomguard_accelerate.py); under
+        emulation the script's tensors count against the emulated capacity."""
+        schedules = None
+        for earlier in self.store.attempts(job["id"]):  # opened one at a time: usually the first has them
+            with self.files_of(earlier) as files:
+                schedules = first_schedules([files])
+            if schedules:
+                break
+        env = {
+            ATTEMPT_ENV: json.dumps({
+                "plan": plan.short(), "max_steps": spec.train.max_steps, "batch_size": plan.batch_size,
+                "first_schedules": schedules,
+            }),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), python_path])),
+        }
+        if job["emulate_device_memory"]:
+            env[EMULATE_DEVICE_MEMORY_ENV] = job["emulate_device_memory"]
+        return env
+
+    def adopt(self) -> None:
+        """Take over what an earlier daemon left: attempts still running (by pid and start
+        time), attempts that ended meanwhile (collected at the next tick from exit.json), an
+        attempt recorded just before its shim was started (found by its command line), and a
+        job left "running" without an attempt (queued again)."""
+        for attempt in self.store.running_attempts():
+            handle = self.launcher.adopt(attempt["directory"], attempt["pid"], attempt["pid_started"])
+            if attempt["pid"] is None and handle.pid is not None:
+                self.store.update_attempt(attempt["id"], pid=handle.pid, pid_started=handle.started)
+            self.running[attempt["id"]] = Running(attempt["id"], attempt["job_id"], handle)
+        open_jobs = {attempt["job_id"] for attempt in self.store.running_attempts()}
+        for job in self.store.running_jobs():
+            if job["id"] not in open_jobs:
+                self.lifecycle.requeue(job, "found running without an attempt after a restart; it continues from its checkpoint")
+
+    def reap(self) -> None:
+        for attempt_id, running in list(self.running.items()):
+            try:
+                self._reap_one(attempt_id, running)
+            except Exception as error:  # noqa: BLE001 - one attempt's problem must not stop the others
+                self.running.pop(attempt_id, None)
+                log_error(f"collecting attempt {attempt_id}", error)
+                attempt = self.store.attempt(attempt_id)
+                if attempt["ended_at"] is None:
+                    outcome = Outcome(kind="crashed", message=f"oomguard could not collect it: {type(error).__name__}: {error}")
+                    self.lifecycle.end_attempt(attempt_id, outcome)
+                self.lifecycle.failed_on(running.job_id, f"collecting attempt {attempt['number']}", error)
+
+    def _reap_one(self, attempt_id: int, running: Running) -> None:
+        attempt = self.store.attempt(attempt_id)
+        if self.launcher.running(running.handle):
+            self._enforce_stop_deadline(attempt)
+            self._report_live_recoveries(attempt)
+            self._check_stalled(attempt)
+            return
+        del self.running[attempt_id]
+        uid = owner_uid(self.store.job(attempt["job_id"]))
+        with self.files_of(attempt) as files:
+            ended = self.launcher.collect(running.handle, uid, files)
+        self._finish_attempt(attempt, ended)
+
+    def _check_stalled(self, attempt: dict[str, Any]) -> None:
+        with self.files_of(attempt) as files:
+            written = files.mtime(HEARTBEAT)
+        last = max(written, attempt["started_at"]) if written is not None else attempt["started_at"]
+        silent = self.clock.time() - last
+        if silent < self.stall_seconds:
+            if attempt["stalled_at"]:
+                self.store.update_attempt(attempt["id"], stalled_at=None)  # it moves again
+            return
+        if attempt["stalled_at"]:
+            return
+        self.store.update_attempt(attempt["id"], stalled_at=self.clock.time())
+        job = self.store.job(attempt["job_id"])
+        self.events.event(
+            job, "stalled", f"attempt {attempt['number']} has written no heartbeat for {how_long(silent)}",
+            next_step=f"oomguard keeps it running; look at `oomguard logs {job['id']}`, and `oomguard cancel {job['id']}` if it hangs",
+        )
+
+    def _enforce_stop_deadline(self, attempt: dict[str, Any]) -> None:
+        sent = attempt["term_sent_at"]
+        if sent and self.clock.time() - sent > STOP_GRACE_SECONDS:
+            self.launcher.stop(handle_of(attempt), kill=True)
+
+    def _finish_attempt(self, attempt: dict[str, Any], ended: Exit) -> None:
+        """Record how the attempt ended and what its job does next."""
+        job = self.store.job(attempt["job_id"])
+        self.jobs.forget_need(job["id"])  # its measurements change what it needs
+        with self.files_of(attempt) as files:
+            self._finish_from(job, attempt, files, ended)
+
+    def _finish_from(self, job: dict[str, Any], attempt: dict[str, Any], files: AttemptFiles, ended: Exit) -> None:
+        outcome = conclude(job, attempt, files, ended, self.launcher.restarted_since)
+        # How the attempt ended and what the job does next are one change: a daemon that dies
+        # in between finds the attempt still open and collects it again.
+        with self.store.atomic():
+            self.lifecycle.end_attempt(attempt["id"], outcome, ended.returncode)
+            self._report_recoveries(attempt, list(outcome.recoveries))
+            self.events.event(job, "attempt-ended", ended_summary(attempt, outcome))
+            self.after(job, outcome)
+
+    def _report_live_recoveries(self, attempt: dict[str, Any]) -> None:
+        with self.files_of(attempt) as files:
+            heartbeat = files.read_json(HEARTBEAT)
+        recoveries = heartbeat.get("recoveries") if isinstance(heartbeat, dict) else None
+        if isinstance(recoveries, list) and all(isinstance(change, dict) for change in recoveries):
+            self._report_recoveries(attempt, recoveries)
+
+    def _report_recoveries(self, attempt: dict[str, Any], changes: list[dict[str, Any]]) -> None:
+        """Rungs the runner took itself (probe, in-process) are events like the daemon's, each
+        reported once: while the attempt runs, or when it ends."""
+        reported = attempt["recoveries_reported"] or 0
+        if len(changes) <= reported:
+            return
+        job = self.store.job(attempt["job_id"])
+        for change in changes[reported:]:
+            old, new = Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
+            what = f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: "
+            if isinstance(change.get("oom"), str):
+                # An OOM the runner recovered from itself: what ran out, what changed, and that
+                # training went on, in words (the daemon's log is what people read).
+                what += f"{change['oom']} -> {describe_change(old, new)}; {change['reason']}; resumed at step {change['step']} in the same process"
+            else:
+                what += change["reason"]
+            self.events.event(job, "escalated", what, next_step=f"the attempt goes on under [{new.short()}] in the same process")
+        self.store.update_attempt(attempt["id"], recoveries_reported=len(changes))
+        attempt["recoveries_reported"] = len(changes)
+
+    def request_stop(self, attempt: dict[str, Any]) -> None:
+        self.store.update_attempt(attempt["id"], term_sent_at=self.clock.time())
+        self.launcher.stop(handle_of(attempt), kill=False)

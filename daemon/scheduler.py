@@ -1,0 +1,239 @@
+"""What starts next: the scheduling pass over the queue (priority, then first come first
+served; --max-parallel slots; placement on GPUs with room), run once per tick by the supervisor.
+
+The decisions are the pure functions at the bottom and daemon/placement.place; the Scheduler
+keeps what a pass over 10,000 queued jobs must not recompute (parsed job files, each job's
+need, the last pass's view) and writes what a queued job waits for through the lifecycle.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from oomguard.daemon.attempts import Running, handle_of, owner_uid
+from oomguard.daemon.clock import Clock
+from oomguard.daemon.events import Events, how_long
+from oomguard.daemon.launch import Launcher
+from oomguard.daemon.lifecycle import Lifecycle
+from oomguard.daemon.monitor import GpuMonitor
+from oomguard.daemon.placement import Holder, Need, Placed, place
+from oomguard.daemon.store import Store
+from oomguard.jobs.spec import JobSpec
+from oomguard.strategies.memory_model import MARGIN_RAN
+from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.plan import Plan
+
+# The scheduling pass: skipped while nothing changes, but run in full at least this often;
+# and at most this long per tick (a huge queue is gone through over several ticks, so that
+# attempts are still collected and systemd's watchdog still hears from the daemon).
+FULL_PASS_SECONDS = 10.0
+PASS_SECONDS = 1.0
+# How a queued job's note begins while it waits only for a slot (status' note column).
+SLOTS_TAKEN = "queued behind running job(s) "
+
+
+class JobCache:
+    """Job files parsed once (a job's file never changes once it is queued), and each job's
+    need, computed again only after one of its attempts started or ended."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._specs: dict[int, JobSpec] = {}
+        self._needs: dict[int, tuple[tuple[Any, Any], Need]] = {}
+
+    def spec(self, job: dict[str, Any]) -> JobSpec:
+        spec = self._specs.get(job["id"])
+        if spec is None:
+            spec = self._specs[job["id"]] = JobSpec.from_dict(json.loads(job["spec"]))
+        return spec
+
+    def need(self, job: dict[str, Any]) -> Need:
+        """What the job needs free per GPU (measure_need), kept while its plan and wait stay."""
+        cached = self._needs.get(job["id"])
+        if cached is not None and cached[0] == (job["plan"], job["wait_free_bytes"]):
+            return cached[1]
+        need = measure_need(job, self.spec(job), self.store.attempts(job["id"]) if job["wait_free_bytes"] is None else [])
+        self._needs[job["id"]] = ((job["plan"], job["wait_free_bytes"]), need)
+        return need
+
+    def forget_need(self, job_id: int) -> None:
+        self._needs.pop(job_id, None)
+
+    def forget(self, job_id: int) -> None:
+        """An ended job: nothing of it is needed again."""
+        self._specs.pop(job_id, None)
+        self._needs.pop(job_id, None)
+
+
+class Scheduler:
+    def __init__(
+        self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, jobs: JobCache, *,
+        gpus: GpuMonitor | None, max_parallel: int | None, stall_seconds: float, running: Mapping[int, Running],
+        start: Callable[[dict[str, Any], tuple[int, ...] | None], None],
+    ) -> None:
+        self.store = store
+        self.clock = clock
+        self.launcher = launcher
+        self.lifecycle = lifecycle
+        self.events = events
+        self.jobs = jobs
+        self.gpus = gpus
+        # Without GPUs to place by, attempts run max_parallel at a time (default 1); with
+        # GPUs, placement decides, within max_parallel when one is given.
+        self.max_parallel = max_parallel
+        self.stall_seconds = stall_seconds
+        self.running = running  # the attempts running now (the Attempts' own record)
+        self.start = start  # starts a job's next attempt (on these GPUs)
+        # Jobs retried after a crash start no earlier than this (clock.monotonic(); forgotten
+        # by a restarted daemon, which retries at once).
+        self.not_before: dict[int, float] = {}
+        self._last_pass: tuple[Any, ...] | None = None
+        self._last_pass_at = 0.0
+        self._slots_noted: tuple[str, tuple[int, ...]] | None = None
+
+    def run_pass(self) -> None:
+        queued = self.store.queued_jobs()
+        if not queued:
+            return
+        limit = slot_limit(self.max_parallel, self.gpus is not None)
+        if limit is not None and len(self.running) >= limit:
+            self._note_slots_taken(limit, queued)
+            return
+        # What the GPUs hold is read once per pass, and again only after an attempt started.
+        gpus = self.gpus.read() if self.gpus is not None else None
+        # Nothing changed since the last pass (the same queue, the same attempts, the GPUs'
+        # free memory within 1/256 of each card): its answers stand. A full pass still runs every
+        # FULL_PASS_SECONDS, for what time changes (a job waiting too long).
+        seen = pass_signature(queued, self.running, gpus)
+        due = any(when <= self.clock.monotonic() for when in self.not_before.values())
+        if seen == self._last_pass and not due and self.clock.monotonic() - self._last_pass_at < min(FULL_PASS_SECONDS, self.stall_seconds):
+            return
+        self._last_pass, self._last_pass_at = seen, self.clock.monotonic()
+        holders = self._holders(gpus) if gpus is not None else {}
+        answers: dict[Need, Placed | Any] = {}  # jobs with the same need get the same answer
+        deadline = self.clock.monotonic() + PASS_SECONDS
+        for job in queued:
+            if limit is not None and len(self.running) >= limit:
+                self._note_slots_taken(limit, queued)
+                return
+            if self.clock.monotonic() > deadline:
+                self._last_pass = None  # the rest of the queue next tick
+                return
+            if job["cancel_requested"]:
+                continue
+            not_before = self.not_before.get(job["id"])
+            if not_before is not None:
+                if self.clock.monotonic() < not_before:
+                    continue
+                del self.not_before[job["id"]]
+            try:
+                started = self._try_to_start(job, gpus, holders, answers)
+            except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
+                self.lifecycle.failed_on(job["id"], "starting an attempt", error)
+                continue
+            if started and gpus is not None:
+                gpus = self.gpus.read()  # type: ignore[union-attr]
+                holders = self._holders(gpus)
+                answers.clear()
+
+    def _note_slots_taken(self, limit: int, queued: list[dict[str, Any]]) -> None:
+        """Queued jobs that wait only for a slot say so, and for which jobs (status' note);
+        written when the note or the queue changed, not at every tick."""
+        running = ", ".join(str(job_id) for job_id in sorted(r.job_id for r in self.running.values()))
+        why = f"--max-parallel {limit}" if self.max_parallel is not None else "without GPUs the daemon runs one at a time; --max-parallel raises it"
+        note = f"{SLOTS_TAKEN}{running} ({why})"
+        noted = (note, tuple(job["id"] for job in queued))
+        if noted != self._slots_noted:
+            self.lifecycle.note_slots_taken(note, replaces=SLOTS_TAKEN)
+            self._slots_noted = noted
+
+    def _try_to_start(self, job: dict[str, Any], gpus: list[Any] | None, holders: dict[int, list[Holder]], answers: dict[Need, Any]) -> bool:
+        """Start the job's next attempt where it fits; False (and why, in the job) when it waits.
+        A job that can never fit (more GPUs than the box has) waits like any other, saying so,
+        and is reported stalled after --stall-after: a card may only be lost for a while."""
+        placed: tuple[int, ...] | None = None
+        if gpus is not None:
+            need = self.jobs.need(job)
+            if need not in answers:
+                answers[need] = place(need, gpus, holders)
+            where = answers[need]
+            if not isinstance(where, Placed):
+                # Lower-priority jobs may still fit elsewhere: the caller looks at them too. The
+                # reason is an event when it changes in words, not with every byte of free memory.
+                if job["waiting"] is None or not same_reason(job["waiting"], where.reason):
+                    self.lifecycle.note_waiting(job, where.reason)
+                self._check_waiting_too_long(job, where.reason)
+                return False
+            placed = where.gpus
+        self.start(job, placed)
+        return True
+
+    def _check_waiting_too_long(self, job: dict[str, Any], reason: str) -> None:
+        """A job that has waited for a GPU as long as a silent attempt would be stalled is
+        reported the same way, once per wait: someone may have to free a GPU."""
+        since = job["waiting_since"]
+        if since is None or self.clock.time() - since < self.stall_seconds or self.store.has_event_since(job["id"], "stalled", since):
+            return
+        waited = self.clock.time() - since
+        self.events.event(
+            job, "stalled", f"queued and waiting for {how_long(waited)}: {reason}",
+            next_step="oomguard keeps waiting and starts it as soon as a GPU has room; free one (`oomguard gpus` shows what is on them), or cancel it",
+        )
+
+    def _holders(self, gpus: list[Any]) -> dict[int, list[Holder]]:
+        holders: dict[int, list[Holder]] = {}
+        placed = [(attempt, self.store.job(attempt["job_id"])) for attempt in self.store.running_attempts() if attempt["gpus"]]
+        # Which attempt each process on a GPU belongs to (the launcher knows its processes).
+        pids = {p.pid for g in gpus for p in g.processes}
+        theirs = self.launcher.processes_of([(handle_of(attempt), owner_uid(job)) for attempt, job in placed], pids)
+        for attempt, job in placed:
+            spec = self.jobs.spec(job)
+            need = self.jobs.need(job)
+            mine = theirs.get(attempt["directory"], set())
+            for index in (int(i) for i in attempt["gpus"].split(",")):
+                used = sum(p.used_bytes for g in gpus if g.index == index for p in g.processes if p.pid in mine)
+                holders.setdefault(index, []).append(Holder(job["id"], spec.resources.share, need.free_bytes, used))
+        return holders
+
+
+# The decisions, as pure functions --------------------------------------------------------------
+
+
+def slot_limit(max_parallel: int | None, has_gpus: bool) -> int | None:
+    """How many attempts may run at once (None: as many as placement allows)."""
+    return max_parallel if max_parallel is not None else (None if has_gpus else 1)
+
+
+def pass_signature(queued: list[dict[str, Any]], running: Mapping[int, Any], gpus: list[Any] | None) -> tuple[Any, ...]:
+    """What a pass sees: the same queue, the same attempts, the GPUs' free memory within 1/256
+    of each card. A pass that would see what the last one saw answers the same."""
+    return (
+        tuple((job["id"], job["plan"], job["wait_free_bytes"], job["cancel_requested"]) for job in queued),
+        tuple(sorted(running)),
+        tuple((g.index, g.free * 256 // max(g.total, 1), len(g.processes)) for g in gpus) if gpus is not None else None,
+    )
+
+
+def measure_need(job: dict[str, Any], spec: JobSpec, attempts: list[dict[str, Any]]) -> Need:
+    """What the job needs free per GPU: after contention, what it waits for; else the peak
+    its plan measured (with the margin of a plan that ran); else what the job file says."""
+    free_bytes: int | None = job["wait_free_bytes"]
+    if free_bytes is None:
+        plan = Plan.from_dict(json.loads(job["plan"]))
+        peaks = [
+            m.peak_bytes
+            for attempt in attempts
+            if attempt["outcome"]
+            for m in Outcome.from_dict(json.loads(attempt["outcome"])).measurements
+            if m.fits and m.plan == plan
+        ]
+        free_bytes = int(max(peaks) * (1 + MARGIN_RAN)) if peaks else spec.resources.memory
+    return Need(gpus=spec.resources.gpus, share=spec.resources.share, free_bytes=free_bytes)
+
+
+def same_reason(old: str, new: str) -> bool:
+    """The same reason to wait in words (numbers aside: not an event per byte of free memory)."""
+    return re.sub(r"[0-9.]+", "#", old) == re.sub(r"[0-9.]+", "#", new)

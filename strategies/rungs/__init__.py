@@ -1,0 +1,89 @@
+"""The ladder: the registry of rungs, in the order the doctor tries them, cheapest and most
+faithful first. Each rung lives in its own module (base.py says what one declares); adding a
+rung is one new module and one line in ``_LADDER``.
+
+Job files' ``ladder.allow`` lists these names; the exact ones are what a job allows when its
+file says nothing. Everything else (the planner, the doctor, the memory model, Plan.short,
+command jobs) reads the registry through the functions below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from oomguard.strategies.plan import Plan
+from oomguard.strategies.rungs import (
+    allocator,
+    attention,
+    base_quantization,
+    checkpointing,
+    lora,
+    micro_batch,
+    offload,
+    optimizer_8bit,
+    precision,
+)
+from oomguard.strategies.rungs.base import Rung
+
+# The order is the ladder's.
+_LADDER: tuple[Rung, ...] = (
+    allocator.RUNG,
+    micro_batch.RUNG,
+    checkpointing.RUNG,
+    attention.RUNG,
+    offload.RUNG,
+    precision.RUNG,
+    optimizer_8bit.RUNG,
+    lora.RUNG,
+    base_quantization.RUNG,
+)
+
+
+def ladder() -> tuple[Rung, ...]:
+    return _LADDER
+
+
+def names() -> tuple[str, ...]:
+    """Every rung name, in ladder order."""
+    return tuple(r.name for r in _LADDER)
+
+
+def exact_names() -> tuple[str, ...]:
+    """The rungs that keep the training trajectory (same weights up to float rounding)."""
+    return tuple(r.name for r in _LADDER if r.exact)
+
+
+def rung(name: str) -> Rung | None:
+    return next((r for r in _LADDER if r.name == name), None)
+
+
+@contextmanager
+def register(new: Rung, *, after: str | None = None) -> Iterator[Rung]:
+    """Put ``new`` on the ladder (last, or right after the rung ``after``) for the duration of
+    the block: what a test does to add a rung without editing this module."""
+    global _LADDER
+    if rung(new.name) is not None:
+        raise ValueError(f"a rung named {new.name!r} is on the ladder already")
+    before = _LADDER
+    position = len(before) if after is None else [r.name for r in before].index(after) + 1
+    _LADDER = (*before[:position], new, *before[position:])
+    try:
+        yield new
+    finally:
+        _LADDER = before
+
+
+def process_environment(plan: Plan, env: Mapping[str, str]) -> dict[str, str]:
+    """The environment an attempt under ``plan`` runs with."""
+    result = dict(env)
+    for r in _LADDER:
+        result = r.environment(plan, result)
+    return result
+
+
+def configure_model(plan: Plan, model: Any) -> None:
+    """Apply every rung's model-side knob for ``plan``."""
+    for r in _LADDER:
+        r.configure_model(plan, model)

@@ -1,0 +1,163 @@
+"""The shape every rung module fills in.
+
+A rung module declares everything about its rung in one :class:`Rung` value: its name and
+exactness, the Plan knob it turns, its pure Plan -> Plan step, what it does to the memory
+model's consumers, how it shows in a plan's one-line summary, how it reaches a process
+environment or a built model, and what it means for a command job. The planner, the doctor, the
+memory model, Plan.short and command jobs read these declarations and never name a rung.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from oomguard.strategies.plan import Plan
+
+# How the planner and the memory model treat a rung's knob:
+# "shape"   - part of a plan's shape: the memory model fits one peak line per shape, and the
+#             planner steps it to find the shapes a job can reach;
+# "batch"   - the variable of that line (the micro-batch): the planner tries every value of
+#             ``choices`` with every shape;
+# "process" - a setting of the process only (allocator options): no part of the shape, nor of
+#             the doctor's walk down the ladder; only ``cures_fragmentation`` takes it.
+Role = Literal["shape", "batch", "process"]
+
+# The consumers of an OOM's breakdown a rung can shrink (strategies/outcome.py MemoryFigures).
+Consumer = Literal["activations", "gradients", "optimizer_state", "parameters"]
+
+_PLAN_FIELDS = frozenset(f.name for f in dataclasses.fields(Plan))
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """What a rung that is on does to the memory model's consumers, relative to a plain fp32
+    AdamW plan. The neutral values change nothing, so a rung states only what it changes.
+
+    ``activation`` and ``time`` scale one sample's activations and forward+backward time (the
+    factors of all rungs that are on are multiplied, in ladder order). ``adapter_share``: only
+    adapters are trained, this share of the full model's parameters, over a frozen base;
+    ``base_share``: bytes kept per byte of that frozen base (only with adapters: nothing else is
+    frozen). ``optimizer_bytes_per_byte``: optimizer state per byte of trained parameters;
+    ``optimizer_on_device`` False: that state lives in host memory. ``cast_share``: extra bytes
+    per parameter byte a step keeps (autocast's low-precision copies).
+    """
+
+    activation: float = 1.0
+    time: float = 1.0
+    adapter_share: float | None = None
+    base_share: float | None = None
+    optimizer_bytes_per_byte: float | None = None
+    optimizer_on_device: bool = True
+    cast_share: float = 0.0
+
+
+@dataclass(frozen=True)
+class Placeholder:
+    """A ``{name}`` a command job's argv may carry. ``listed``: where error messages and the
+    README list it among every placeholder (kept as users have always seen them)."""
+
+    name: str
+    help: str
+    listed: int
+
+
+@dataclass(frozen=True)
+class WhenKey:
+    """A ``[command.when]`` key: arguments added while the rung's knob is on. ``listed`` as for
+    :class:`Placeholder`."""
+
+    key: str
+    help: str
+    listed: int
+
+
+def _no_values(plan: Plan) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class CommandSide:
+    """What the rung means for a command job (a user's script).
+
+    ``needs``: what the command must pass on for the rung to be taken, each an alternative of
+    ``{placeholder}`` or ``when:KEY`` separated by ``|``; a rung with no needs (the allocator:
+    an environment variable the daemon sets) is every script's. ``values``: the rung's
+    placeholders' values under a plan.
+    """
+
+    placeholders: tuple[Placeholder, ...] = ()
+    when: WhenKey | None = None
+    needs: tuple[str, ...] = ()
+    values: Callable[[Plan], dict[str, str]] = _no_values
+
+
+def _no_environment(plan: Plan, env: Mapping[str, str]) -> dict[str, str]:
+    return dict(env)
+
+
+def _no_model_change(plan: Plan, model: Any) -> None:
+    return None
+
+
+def _no_memory_terms(plan: Plan) -> MemoryTerms | None:
+    return None
+
+
+def _no_label(plan: Plan) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One memory saving of the ladder.
+
+    ``step`` returns the plan with this rung taken one notch further, or None when this rung
+    has nothing more to give (e.g. micro-batch already 1). ``describe`` says in words what a
+    step changed, for events and notifications. ``knob`` is the Plan field the rung turns, or
+    a name kept in ``Plan.extra`` for a knob Plan has no field for; ``default`` is its value
+    when the rung is not taken (for the batch rung: the value its memory line starts from).
+    """
+
+    name: str
+    exact: bool
+    # True when the change only takes effect in a new process (allocator settings are read
+    # once, when CUDA initialises).
+    needs_restart: bool
+    step: Callable[[Plan], Plan | None]
+    describe: Callable[[Plan, Plan], str]
+    knob: str
+    default: Any
+    role: Role = "shape"
+    # The consumers it shrinks: the doctor tries these rungs first when one dominated an OOM.
+    shrinks: frozenset[Consumer] = frozenset()
+    # It shrinks only activations: no help when the OOM came before any existed (setup).
+    activations_only: bool = False
+    # The doctor's answer to a fragmented caching allocator.
+    cures_fragmentation: bool = False
+    # When the knob counts as on (memory terms, [command.when]); None: when it is not ``default``.
+    on: Callable[[Plan], bool] | None = None
+    memory: Callable[[Plan], MemoryTerms | None] = _no_memory_terms
+    # Its part of Plan.short, None when it has nothing to say for the plan.
+    label: Callable[[Plan], str | None] = _no_label
+    # The values the planner tries for a batch rung, from the job's first plan.
+    choices: Callable[[Plan], Iterable[Any]] | None = None
+    environment: Callable[[Plan, Mapping[str, str]], dict[str, str]] = _no_environment
+    configure_model: Callable[[Plan, Any], None] = _no_model_change
+    # None: a command job never takes it.
+    command: CommandSide | None = None
+
+    def get(self, plan: Plan) -> Any:
+        if self.knob in _PLAN_FIELDS:
+            return getattr(plan, self.knob)
+        return plan.extra_value(self.knob, self.default)
+
+    def set(self, plan: Plan, value: Any) -> Plan:
+        if self.knob in _PLAN_FIELDS:
+            return plan.replace(**{self.knob: value})
+        return plan.with_extra(self.knob, value, self.default)
+
+    def is_on(self, plan: Plan) -> bool:
+        return self.on(plan) if self.on is not None else self.get(plan) != self.default

@@ -1,0 +1,257 @@
+"""The memory model and the planner: peaks and speeds from measurements, and the plan chosen."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from oomguard.strategies import planner
+from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Policy, decide, decide_in_process
+from oomguard.strategies.memory_model import MARGIN_MEASURED, Measurement, MemoryModel, shape_of
+from oomguard.strategies.outcome import MemoryFigures, Outcome
+from oomguard.strategies.plan import Plan
+from oomguard.strategies.rungs import checkpointing, exact_names, names
+
+RUNG_NAMES, EXACT_RUNG_NAMES = names(), exact_names()
+
+MiB = 2**20
+BATCH = 16
+BASE = Plan.initial(BATCH)
+# A model of 4 MiB of parameters: static = params + grads + 2x AdamW moments = 16 MiB.
+STATIC = {"parameters": 4 * MiB, "trainable": 4 * MiB, "optimizer_state": 8 * MiB}
+PER_SAMPLE = 5 * MiB
+TRANSIENT = 1 * MiB
+
+
+def peak(micro_batch: int, per_sample: float = PER_SAMPLE) -> int:
+    return int(16 * MiB + TRANSIENT + per_sample * micro_batch)
+
+
+def ran(plan: Plan, *, samples_per_s: float | None = None, per_sample: float = PER_SAMPLE) -> Measurement:
+    return Measurement(plan=plan, fits=True, peak_bytes=peak(plan.micro_batch, per_sample), capacity=1000 * MiB, samples_per_s=samples_per_s, static=STATIC)
+
+
+def step_time(micro_batch: int, per_micro: float = 0.05, per_sample: float = 0.01, factor: float = 1.0) -> float:
+    plan = BASE.replace(micro_batch=micro_batch)
+    return (plan.grad_accum * per_micro + BATCH * per_sample) * factor
+
+
+def timed(micro_batch: int, **kwargs: float) -> Measurement:
+    return ran(BASE.replace(micro_batch=micro_batch), samples_per_s=BATCH / step_time(micro_batch, **kwargs))
+
+
+# ----------------------------------------------------------------------------- peaks
+
+
+def test_two_sizes_give_the_line_and_it_predicts_the_others():
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=4))])
+    line = model.line(BASE)
+    assert line is not None and line.measured
+    assert line.per_sample == pytest.approx(PER_SAMPLE)
+    for size in (2, 8, 16):
+        assert model.predicted_peak(BASE.replace(micro_batch=size)) == pytest.approx(peak(size), rel=1e-6)
+
+
+def test_one_size_and_the_static_bytes_give_a_line_that_errs_high():
+    model = MemoryModel([ran(BASE.replace(micro_batch=1))])
+    predicted = model.predicted_peak(BASE.replace(micro_batch=8))
+    # The transient is counted per sample: larger micro-batches are overestimated, never under.
+    assert peak(8) <= predicted <= peak(8) + 8 * TRANSIENT
+
+
+def test_a_scripts_bytes_held_between_steps_give_the_line_and_its_first_oom_lands_on_a_plan_that_fits():
+    # A command job's script reports no parameters, only what stays on its device between steps
+    # (jobs/script_report.py); with it, one measured size gives the line.
+    script = Plan.initial(128, even_slices=True)
+    resident, per_sample = 400 * 2**10, 1.5 * 2**10
+    ran_big = Measurement(plan=script, fits=True, peak_bytes=int(resident + 128 * per_sample), capacity=64 * MiB, static={"resident": resident})
+    line = MemoryModel([ran_big]).line(script)
+    assert line is not None and line.measured and line.fixed == resident and line.per_sample == pytest.approx(per_sample)
+    cap = 560 * 2**10
+    figures = MemoryFigures(requested=24 * 2**10, allocated=538 * 2**10, total=cap)
+    oom = Outcome(kind="oom", step=7, memory=figures, message="CUDA out of memory", measurements=(ran_big, figures.measurement(script, 7)))
+    decision = decide(oom, script, [], Policy())
+    assert isinstance(decision, NextPlan) and decision.rung == "micro_batch"
+    assert 128 % decision.plan.micro_batch == 0 and resident + decision.plan.micro_batch * per_sample <= cap
+    assert decision.plan.micro_batch >= 32  # a jump, not one halving per attempt to a size far below
+
+
+def test_an_oom_steepens_a_line_that_said_it_would_fit():
+    optimistic = ran(BASE.replace(micro_batch=1), per_sample=PER_SAMPLE / 2)
+    oom = Measurement(plan=BASE.replace(micro_batch=8), fits=False, peak_bytes=peak(8), capacity=peak(8) - 1, static=STATIC)
+    model = MemoryModel([optimistic, oom])
+    assert model.predicted_peak(BASE.replace(micro_batch=8)) >= peak(8)
+
+
+def test_other_shapes_are_predicted_from_the_knobs():
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))])
+    checkpointed = model.line(BASE.replace(gradient_checkpointing=True))
+    assert checkpointed is not None and not checkpointed.measured
+    assert checkpointed.per_sample == pytest.approx(PER_SAMPLE * checkpointing.TERMS.activation)
+    offloaded = model.line(BASE.replace(offload="optimizer"))
+    assert offloaded.fixed == pytest.approx(model.line(BASE).fixed - STATIC["optimizer_state"])
+
+
+def test_without_any_measurement_nothing_is_claimed():
+    assert MemoryModel([]).fits(BASE, 100 * MiB) is None
+
+
+def test_fits_keeps_a_margin_and_never_trusts_a_plan_that_ran_out_at_this_capacity():
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=4))])
+    exact = peak(4)
+    assert model.fits(BASE.replace(micro_batch=4), int(exact / (1 - MARGIN_MEASURED)) + 1)
+    assert not model.fits(BASE.replace(micro_batch=4), exact)
+    oom = Measurement(plan=BASE.replace(micro_batch=2), fits=False, peak_bytes=peak(2), capacity=200 * MiB)
+    model = MemoryModel([ran(BASE.replace(micro_batch=1)), oom])
+    assert model.fits(BASE.replace(micro_batch=2), 150 * MiB) is False  # ran out with more
+    assert model.fits(BASE.replace(micro_batch=2), 300 * MiB)  # more room now than then
+
+
+def test_measurements_round_trip():
+    m = ran(BASE.replace(micro_batch=3), samples_per_s=12.5)
+    assert Measurement.from_dict(m.to_dict()) == m
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def test_speed_is_measured_for_a_plan_that_ran_and_predicted_for_others():
+    model = MemoryModel([timed(1), timed(2)])
+    assert model.expected_samples_per_s(BASE.replace(micro_batch=1)) == pytest.approx(BATCH / step_time(1))
+    for size in (4, 8, 16):
+        assert model.expected_samples_per_s(BASE.replace(micro_batch=size)) == pytest.approx(BATCH / step_time(size), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- planner
+
+
+def test_candidates_cover_every_micro_batch_worth_trying_of_every_reachable_shape():
+    plans = planner.candidate_plans(BASE, ("micro_batch", "checkpointing"))
+    assert {p.micro_batch for p in plans} == set(BASE.micro_batch_choices()) == {1, 2, 3, 4, 6, 8, 16}
+    assert len(plans) == 2 * len(BASE.micro_batch_choices())
+    assert len(planner.candidate_plans(BASE, ("checkpointing",))) == 2
+    in_process = planner.candidate_plans(BASE, ("micro_batch", "checkpointing", "allocator"), restart=False)
+    assert {p.allocator for p in in_process} == {""}
+
+
+def test_the_planner_takes_the_fastest_plan_that_fits_not_the_smallest_step():
+    # Checkpointing at a micro-batch over 7 beats micro-batch 7 without it when a step's fixed
+    # cost per micro-batch dominates.
+    measurements = [timed(1, per_micro=0.1, per_sample=0.001), timed(2, per_micro=0.1, per_sample=0.001)]
+    model = MemoryModel(measurements)
+    capacity = int(peak(7) / (1 - 0.1))
+    candidates = planner.candidate_plans(BASE, ("micro_batch", "checkpointing"))
+    choice = planner.choose(BASE, candidates, model, capacity)
+    assert choice is not None
+    assert choice.plan.gradient_checkpointing and choice.plan.micro_batch > 7, choice
+    # Without checkpointing allowed: as few slices as the largest micro-batch that fits
+    # needs, each as small as that number of slices allows (the lowest peak at that speed).
+    choice = planner.choose(BASE, planner.candidate_plans(BASE, ("micro_batch",)), model, capacity)
+    largest = max(size for size in range(1, BATCH + 1) if model.fits(BASE.replace(micro_batch=size), capacity))
+    slices = math.ceil(BATCH / largest)  # every size, not only those the planner weighs
+    assert (largest, slices) == (7, 3)
+    assert choice.plan == BASE.replace(micro_batch=math.ceil(BATCH / slices))
+
+
+def test_an_exact_plan_wins_over_a_faster_approximate_one():
+    start = BASE
+    exact = BASE.replace(micro_batch=4)
+    approximate = BASE.replace(micro_batch=4, mixed_precision="bf16")
+    assert planner.faithfulness(start, exact) == 0
+    assert planner.faithfulness(start, approximate) > 0
+    assert planner.rungs_between(start, approximate) == ("micro_batch", "precision")
+
+
+# ----------------------------------------------------------------------------- doctor with numbers
+
+
+def oom_at(plan: Plan, capacity: int, step: int = 3) -> Outcome:
+    figures = MemoryFigures(requested=PER_SAMPLE, allocated=capacity - PER_SAMPLE // 2, reserved=capacity - PER_SAMPLE // 2, total=capacity, breakdown={"activations": capacity // 2})
+    oom = Measurement(plan=plan, fits=False, peak_bytes=capacity + PER_SAMPLE // 2, capacity=capacity, static=STATIC, step=step)
+    return Outcome(kind="oom", step=step, phase="forward", memory=figures, plan=plan, measurements=(oom,))
+
+
+def test_the_doctor_jumps_straight_to_the_fewest_slices_that_fit():
+    capacity = int(peak(5) / (1 - MARGIN_MEASURED)) + 1
+    measured = Outcome(kind="interrupted", plan=BASE, measurements=(ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))))
+    outcome = oom_at(BASE, capacity)
+    history = [PastAttempt(BASE, measured), PastAttempt(BASE, outcome)]
+    decision = decide(outcome, BASE, history, Policy(allow=("micro_batch",), initial=BASE))
+    assert isinstance(decision, NextPlan)
+    # Micro-batch 5 is the largest that fits; 4 takes as many slices (four) with a lower peak.
+    assert decision.plan.micro_batch == 4 and decision.plan.grad_accum == 4, decision
+    assert "predicted peak" in decision.reason
+
+
+def test_in_process_takes_only_rungs_that_need_no_restart():
+    capacity = 30 * MiB  # below the static bytes + one sample with or without checkpointing
+    measurements = [ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))]
+    everything = Policy(allow=("allocator", "micro_batch", "checkpointing", "offload"), initial=BASE)
+    decision = decide_in_process(BASE, measurements, everything, capacity)
+    assert decision is None or decision.plan.offload == "none"
+    decision = decide_in_process(BASE, measurements, everything, 60 * MiB)
+    assert isinstance(decision, NextPlan) and decision.plan.micro_batch < BATCH and decision.plan.offload == "none"
+
+
+def test_shape_of_ignores_micro_batch_and_allocator():
+    assert shape_of(BASE.replace(micro_batch=3, allocator="expandable_segments:True")) == shape_of(BASE)
+
+
+def _decide_at(capacity: int, allow: tuple[str, ...]):
+    measured = Outcome(kind="interrupted", plan=BASE, measurements=(ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=2))))
+    outcome = oom_at(BASE.replace(micro_batch=1), capacity)
+    history = [PastAttempt(BASE, measured), PastAttempt(BASE.replace(micro_batch=1), outcome)]
+    return decide(outcome, BASE.replace(micro_batch=1), history, Policy(allow=allow, initial=BASE))
+
+
+def test_optimizer_state_dominates_the_exact_answer_is_offload():
+    # 16 MiB of static bytes (half of it AdamW state), 5 MiB a sample: micro-batch 1 needs 22.
+    decision = _decide_at(20 * MiB, EXACT_RUNG_NAMES)
+    assert isinstance(decision, NextPlan) and decision.plan.offload == "optimizer", decision
+    assert decision.plan.optimizer == "adamw" and decision.plan.lora_rank is None
+
+
+def test_without_offload_the_8bit_optimizer_when_allowed():
+    decision = _decide_at(20 * MiB, ("micro_batch", "checkpointing", "optimizer_8bit"))
+    assert isinstance(decision, NextPlan) and decision.plan.optimizer == "adamw8bit", decision
+
+
+def test_when_only_a_rung_not_allowed_would_fit_the_report_names_it():
+    decision = _decide_at(20 * MiB, ("micro_batch", "checkpointing"))
+    assert isinstance(decision, GiveUp), decision
+    assert "offload" in decision.reason and "not allowed" in decision.reason
+    (line,) = [line for line in decision.report.splitlines() if "[ladder] allow = " in line]
+    allow = json.loads(line.split("allow = ", 1)[1])
+    assert allow[:2] == ["micro_batch", "checkpointing"] and "offload" in allow, line
+    # Only the rungs the fitting plan needs are suggested, not every rung there is.
+    assert "lora" not in allow and "precision" not in allow
+
+
+def test_parameters_gradients_and_state_together_lead_to_lora_when_allowed():
+    decision = _decide_at(12 * MiB, RUNG_NAMES)
+    assert isinstance(decision, NextPlan) and decision.plan.lora_rank is not None, decision
+    # The least invasive approximate rung that fits: no quantized base when LoRA is enough.
+    assert decision.plan.base_quantization is None
+
+
+def test_a_noisy_timing_never_makes_more_slices_look_faster():
+    # Micro-batch 16 happened to be timed while the machine was busy: slower per sample than 1.
+    slow_full = ran(BASE, samples_per_s=5.0)
+    fast_single = ran(BASE.replace(micro_batch=1), samples_per_s=6.0)
+    model = MemoryModel([fast_single, slow_full])
+    speeds = [model.expected_samples_per_s(BASE.replace(micro_batch=size)) for size in (1, 2, 4, 8, 16)]
+    assert speeds == sorted(speeds)
+    choice = planner.choose(BASE, planner.candidate_plans(BASE, ("micro_batch",)), model, 1000 * MiB)
+    assert choice is not None and choice.plan == BASE
+
+
+def test_a_shape_timed_at_one_size_borrows_the_split_of_a_shape_timed_at_two():
+    base = [timed(1, per_micro=0.1, per_sample=0.001), timed(2, per_micro=0.1, per_sample=0.001)]
+    checkpointed = BASE.replace(micro_batch=1, gradient_checkpointing=True)
+    slower = 1.2  # checkpointing measured 20 % slower at micro-batch 1
+    ckpt_one = ran(checkpointed, samples_per_s=BATCH / step_time(1, per_micro=0.1, per_sample=0.001, factor=slower))
+    model = MemoryModel([*base, ckpt_one])
+    expected = BATCH / step_time(16, per_micro=0.1, per_sample=0.001, factor=slower)
+    assert model.expected_samples_per_s(checkpointed.replace(micro_batch=16)) == pytest.approx(expected, rel=1e-6)

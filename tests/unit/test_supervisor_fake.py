@@ -1,0 +1,221 @@
+"""The supervisor's loop with a fake Launcher and Clock (tests/fakes.py): what starts, in which
+order, and what a job does after each way an attempt can end. Supervisor.drain() runs the loop
+synchronously; nothing sleeps and no process starts (tests/unit/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from oomguard.daemon.launch import LaunchFailed, LaunchRequest
+from oomguard.daemon.paths import StateDir
+from oomguard.daemon.store import Store
+from oomguard.daemon.supervisor import SLOTS_TAKEN, STALL_SECONDS, STOP_GRACE_SECONDS, Supervisor
+from oomguard.daemon.users import Account
+from oomguard.strategies import doctor
+from oomguard.strategies.outcome import MemoryFigures, Outcome
+from oomguard.strategies.plan import Plan
+from tests.fakes import FakeClock, FakeLauncher
+from tests.jobs_helpers import tiny_job
+
+MiB = 2**20
+OOM = Outcome(
+    kind="oom", step=2, phase="backward", message="CUDA out of memory.",
+    memory=MemoryFigures(requested=64 * MiB, allocated=900 * MiB, free=0, total=1024 * MiB, breakdown={"activations": 700 * MiB}),
+)
+CRASH = Outcome(kind="crashed", step=0, message="ValueError: boom", traceback_tail="Traceback ...\nValueError: boom\n")
+
+
+@dataclass
+class Box:
+    state: StateDir
+    store: Store
+    clock: FakeClock
+    launcher: FakeLauncher
+
+    def supervisor(self, **options: Any) -> Supervisor:
+        return Supervisor(self.state, self.store, launcher=self.launcher, clock=self.clock, **options)
+
+    def kinds(self, job_id: int) -> list[str]:
+        return [event["kind"] for event in self.store.events(job_id)]
+
+    def plan_of(self, request: LaunchRequest) -> Plan:
+        return Plan.from_dict(json.loads(request.stdin)["plan"])
+
+
+@pytest.fixture
+def box(tmp_path: Path) -> Iterator[Box]:
+    clock = FakeClock()
+    state = StateDir(tmp_path / "state").create()
+    store = Store(state.database, now=clock.time)
+    yield Box(state, store, clock, FakeLauncher())
+    store.close()
+
+
+def add(supervisor: Supervisor, name: str, priority: int = 0) -> int:
+    spec = tiny_job(name)
+    return supervisor.add_job(spec.__class__.from_dict({**spec.to_dict(), "priority": priority}), Account.current())
+
+
+def test_the_highest_priority_starts_first_then_first_come_first_served(box: Box) -> None:
+    supervisor = box.supervisor()
+    first, urgent, second = add(supervisor, "first"), add(supervisor, "urgent", priority=5), add(supervisor, "second")
+    order = []
+    for _ in range(3):
+        supervisor.drain()
+        (request,) = [r for r in box.launcher.started if str(r.attempt_dir) in box.launcher.running_folders()]
+        order.append(request.attempt_dir.parent.parent.name)
+        box.launcher.finish(request, Outcome(kind="finished", step=8))
+    supervisor.drain()
+    assert order == [str(urgent), str(first), str(second)]
+    assert all(box.store.job(job_id)["state"] == "finished" for job_id in (first, urgent, second))
+    assert box.store.job(first)["result"].startswith("finished 8 steps; final model in ")
+
+
+def test_no_more_than_max_parallel_run_and_the_others_say_why(box: Box) -> None:
+    supervisor = box.supervisor(max_parallel=2)
+    jobs = [add(supervisor, f"j{n}") for n in range(3)]
+    supervisor.drain()
+    assert len(box.launcher.started) == 2 and supervisor.active()
+    waiting = box.store.job(jobs[2])
+    assert waiting["state"] == "queued"
+    assert waiting["waiting"] == f"{SLOTS_TAKEN}{jobs[0]}, {jobs[1]} (--max-parallel 2)"
+    box.launcher.finish(box.launcher.started[0], Outcome(kind="finished", step=8))
+    supervisor.drain()
+    assert len(box.launcher.started) == 3 and box.store.job(jobs[2])["state"] == "running"
+
+
+def test_an_oom_queues_the_next_plan_with_an_escalation_event(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "big")
+    supervisor.drain()
+    box.launcher.finish(box.launcher.started[0], OOM, returncode=1)
+    supervisor.drain(until=lambda: len(box.launcher.started) == 2)
+    assert box.kinds(job_id) == ["queued", "started", "attempt-ended", "escalated", "started"]
+    escalated = next(e for e in box.store.events(job_id) if e["kind"] == "escalated")
+    first, second = (box.plan_of(request) for request in box.launcher.started)
+    assert second != first and escalated["message"].startswith("rung ")
+    attempts = box.store.attempts(job_id)
+    assert attempts[0]["outcome_kind"] == "oom" and attempts[1]["rung"] == escalated["message"].split()[1].rstrip(":")
+
+
+def test_a_crash_that_repeats_itself_fails_the_job(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "crashy")
+    supervisor.drain()
+    box.launcher.finish(box.launcher.started[0], CRASH, returncode=1)
+    supervisor.drain()
+    job = box.store.job(job_id)
+    assert job["state"] == "queued" and job["waiting"].startswith(f"retrying {doctor.CRASH_BACKOFF_SECONDS:.0f} s after the attempt ended")
+    assert len(box.launcher.started) == 1  # the retry waits for its pause
+    box.clock.advance(doctor.CRASH_BACKOFF_SECONDS)
+    supervisor.drain()
+    assert len(box.launcher.started) == 2
+    box.launcher.finish(box.launcher.started[1], CRASH, returncode=1)
+    supervisor.drain()
+    job = box.store.job(job_id)
+    assert job["state"] == "failed" and job["result"] == "the attempt crashed twice in a row at step 0 with the same error: ValueError: boom"
+    assert box.kinds(job_id)[-1] == "failed" and job["ended_at"] == box.clock.time()
+
+
+def test_a_queued_job_is_cancelled_before_it_starts(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "never")
+    box.store.request_cancel(job_id)
+    supervisor.drain()
+    job = box.store.job(job_id)
+    assert (job["state"], job["result"]) == ("cancelled", "cancelled before its next attempt started")
+    assert box.launcher.started == []
+
+
+def test_a_running_job_is_asked_to_stop_then_killed_after_the_grace_period(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "long")
+    supervisor.drain()
+    (request,) = box.launcher.started
+    box.store.request_cancel(job_id)
+    supervisor.drain()
+    assert box.launcher.stops == [(str(request.attempt_dir), False)] and box.kinds(job_id)[-1] == "cancelling"
+    box.clock.advance(STOP_GRACE_SECONDS + 1)
+    supervisor.drain()
+    assert box.launcher.stops[-1] == (str(request.attempt_dir), True)
+    box.launcher.finish(request, Outcome(kind="interrupted", step=3), returncode=-9)
+    supervisor.drain()
+    job = box.store.job(job_id)
+    assert job["state"] == "cancelled" and job["result"].startswith("cancelled at step 3 (checkpoint kept in ")
+
+
+def test_a_restarted_daemon_adopts_a_running_attempt_and_collects_it(box: Box) -> None:
+    first = box.supervisor()
+    job_id = add(first, "survivor")
+    first.drain()
+    (request,) = box.launcher.started
+    pid = box.store.attempts(job_id)[0]["pid"]
+    again = box.supervisor()  # the same machine: the attempt still runs
+    assert [(h.attempt_dir, h.pid) for h in box.launcher.adopted] == [(str(request.attempt_dir), pid)]
+    again.drain()
+    assert again.active() and box.store.job(job_id)["state"] == "running" and len(box.launcher.started) == 1
+    box.launcher.finish(request, Outcome(kind="finished", step=8))
+    again.drain()
+    assert box.store.job(job_id)["state"] == "finished"
+
+
+def test_an_attempt_that_never_started_is_interrupted_and_queued_again(box: Box) -> None:
+    first = box.supervisor()
+    job_id = add(first, "early")
+    first.drain()
+    (request,) = box.launcher.started
+    # The daemon died after recording the attempt and before its process started.
+    box.store.update_attempt(box.store.attempts(job_id)[0]["id"], pid=None, pid_started=None)
+    box.launcher.lose(request)
+    again = box.supervisor()
+    again.stopping = True  # collect only
+    again.drain()
+    (attempt,) = box.store.attempts(job_id)
+    assert attempt["outcome_kind"] == "interrupted" and box.store.job(job_id)["state"] == "queued"
+
+
+def test_an_attempt_that_cannot_be_launched_fails_its_job_saying_how_to_fix_it(box: Box) -> None:
+    box.launcher.fail_with = LaunchFailed("cannot start the attempt's shim (python) as me: Permission denied", "let me run python")
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "unlucky")
+    supervisor.drain()
+    job = box.store.job(job_id)
+    assert (job["state"], job["result"]) == ("failed", "cannot start the attempt's shim (python) as me: Permission denied")
+    assert box.store.attempts(job_id)[0]["outcome_kind"] == "crashed"
+
+
+def test_a_silent_attempt_is_reported_stalled_once(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "quiet")
+    supervisor.drain()
+    box.clock.advance(STALL_SECONDS + 1)
+    supervisor.drain()
+    supervisor.drain()
+    assert box.kinds(job_id).count("stalled") == 1
+
+
+def test_attempts_stopped_with_the_daemon_go_back_to_the_queue(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "paused")
+    supervisor.drain()
+    (request,) = box.launcher.started
+    supervisor.stop_all()
+    assert box.launcher.stops == [(str(request.attempt_dir), False)] and not supervisor.stopped()
+    box.launcher.finish(request, Outcome(kind="interrupted", step=4), returncode=0)
+    supervisor.drain()
+    assert supervisor.stopped() and box.store.job(job_id)["state"] == "queued"
+    assert box.kinds(job_id)[-1] == "requeued" and len(box.launcher.started) == 1  # nothing starts while stopping
+
+
+def test_a_daemon_that_leaves_leaves_its_attempts_running(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "left")
+    supervisor.drain()
+    supervisor.leave_all()
+    assert supervisor.stopped() and box.launcher.stops == [] and box.store.job(job_id)["state"] == "running"
