@@ -40,9 +40,10 @@ demo: $(STAMP)
 
 # The whole suite but the benchmark smoke runs (marker `bench`), in two worker processes: most
 # tests wait on daemons and runners, so two at a time fill both cores. A file's tests stay in
-# one worker (they share module fixtures: a daemon, a corpus).
+# one worker (they share module fixtures: a daemon, a corpus). One torch thread per process:
+# two workers' runners with a thread per core each fought over the cores.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not bench" -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not bench" -n 2 --dist loadfile
 
 # The unit layer alone: no process started, no sleep (tests/unit/conftest.py refuses both).
 test-fast: $(STAMP)

@@ -1,4 +1,4 @@
-"""The quickstart job through `oomguard run`: once without a cap, once under a cap that forces
+"""The quickstart job (cut to 20 steps) through `oomguard run`: once without a cap, once under a cap that forces
 an OOM after the first checkpoint. Recovery through exact rungs (inside the runner) must end
 with the same weights, after the same optimizer steps, none of them run twice."""
 
@@ -27,8 +27,22 @@ QUICKSTART = Path(__file__).parents[2] / "jobs" / "examples" / "quickstart.toml"
 CAP = "200MiB,100MiB@15"
 
 
+# The quickstart cut to 20 of its 40 steps (everything else as written): the OOM at step 15,
+# the recovery and five steps after it are all still there, at half the training time.
+STEPS = 20
+
+
+def quickstart(folder: Path) -> Path:
+    text = QUICKSTART.read_text()
+    assert "\nmax_steps = 40 " in text, "the quickstart's max_steps line changed: update STEPS' comment"
+    path = folder / "quickstart.toml"
+    path.write_text(text.replace("\nmax_steps = 40 ", f"\nmax_steps = {STEPS} ", 1))
+    return path
+
+
 def run(workdir: Path, *extra: str) -> dict[str, Any]:
-    result = oomguard("run", str(QUICKSTART), "--workdir", str(workdir), "--json", *extra, timeout=600)
+    job = quickstart(workdir.parent)
+    result = oomguard("run", str(job), "--workdir", str(workdir), "--json", *extra, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)
 
@@ -52,19 +66,19 @@ def losses(record: dict[str, Any]) -> dict[int, float]:
 
 @pytest.fixture(scope="module")
 def uncapped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run(tmp_path_factory.mktemp("uncapped"))
+    return run(tmp_path_factory.mktemp("uncapped") / "work")
 
 
 @pytest.fixture(scope="module")
 def recovered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run(tmp_path_factory.mktemp("capped"), "--emulate-device-memory", CAP)
+    return run(tmp_path_factory.mktemp("capped") / "work", "--emulate-device-memory", CAP)
 
 
 def test_the_capped_run_ooms_at_step_15_and_recovers_inside_the_runner(recovered: dict[str, Any]) -> None:
     assert recovered["state"] == "finished"
     (attempt,) = recovered["attempts"]
     outcome = attempt["outcome"]
-    assert outcome["kind"] == "finished" and outcome["step"] == 40
+    assert outcome["kind"] == "finished" and outcome["step"] == STEPS
     (recovery,) = [r for r in outcome["recoveries"] if r["step"] > 0]
     assert recovery["step"] == 15
     oom = [m for m in outcome["measurements"] if not m["fits"]]
@@ -74,8 +88,8 @@ def test_the_capped_run_ooms_at_step_15_and_recovers_inside_the_runner(recovered
 
 
 def test_same_optimizer_steps_none_repeated(uncapped: dict[str, Any], recovered: dict[str, Any]) -> None:
-    assert steps_trained(uncapped) == list(range(1, 41))
-    assert steps_trained(recovered) == list(range(1, 41))
+    assert steps_trained(uncapped) == list(range(1, STEPS + 1))
+    assert steps_trained(recovered) == list(range(1, STEPS + 1))
 
 
 def test_same_losses_and_same_final_weights(uncapped: dict[str, Any], recovered: dict[str, Any]) -> None:
@@ -98,7 +112,8 @@ def test_the_demos_lines_say_it_ran_out_what_changed_and_that_it_resumed(recover
 
 
 def test_the_readmes_demo_follow_up_commands_work_as_written(recovered: dict[str, Any]) -> None:
-    """`make demo` is this run (the same job file and cap) in demo-workdir; the README's commands
+    """`make demo` is this run (the same job file, there with all its 40 steps, and cap) in
+    demo-workdir; the README's commands
     after it, and the Makefile's last lines, are run with this run's workdir in its place."""
     root = Path(__file__).parents[2]
     readme = (root / "README.md").read_text()
