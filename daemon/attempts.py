@@ -1,10 +1,9 @@
-"""An attempt's files and how it ended: what its processes wrote, read as its owner's, turned
-into one Outcome by conclude(), whatever the attempt left (a runner's report, the shim's exit
-status, the end of its log, or nothing at all)."""
+"""An attempt from start to end: started through the Launcher, watched (stop deadline, stalls,
+rungs the runner took itself), adopted after a daemon restart, and collected when it ended,
+its Outcome read by daemon/conclude.py. Its files are opened as its owner's."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pwd
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from oomguard.daemon.clock import Clock
+from oomguard.daemon.conclude import conclude, ended_summary
 from oomguard.daemon.events import Events, how_long, log_error
 from oomguard.daemon.job_secrets import with_env
 from oomguard.daemon.launch import Exit, Handle, LaunchFailed, Launcher, LaunchRequest
@@ -22,14 +22,13 @@ from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.store import Store
 from oomguard.daemon.users import Account, PermissionRefused, child_environment, spawn_options
-from oomguard.jobs.attempt import HEARTBEAT, LOG, OUTCOME, AttemptConfig, AttemptFiles, attempt_files
-from oomguard.jobs.command import ATTEMPT_ENV, BOOTSTRAP_DIR, last_step_count, render
+from oomguard.jobs.attempt import HEARTBEAT, AttemptConfig, AttemptFiles
+from oomguard.jobs.command import ATTEMPT_ENV, BOOTSTRAP_DIR, render
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
-from oomguard.jobs.script_report import ScriptReport, first_schedules, read_script_report
+from oomguard.jobs.script_report import first_schedules
 from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import rungs
-from oomguard.strategies.oom_text import read_oom, read_tail
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.planner import describe_change
@@ -38,10 +37,6 @@ if TYPE_CHECKING:
     from oomguard.daemon.intake import Secrets
     from oomguard.daemon.scheduler import JobCache
 
-# How much of a silent runner's output.log is read for the error it died of, and how much of
-# that end is kept in its outcome (traceback_tail: where the error it is summed up by is read).
-OUTPUT_TAIL_BYTES = 256 * 1024
-TRACEBACK_TAIL_CHARS = 4000
 # A runner asked to stop (SIGTERM) checkpoints first; after this long it is killed.
 STOP_GRACE_SECONDS = 120.0
 # An attempt without a new heartbeat for this long is reported as stalled (once).
@@ -85,116 +80,6 @@ def files_of(store: Store, attempt: dict[str, Any]) -> AttemptFiles:
     then reads nothing, never that user's files. Close it (a context manager)."""
     job = store.job(attempt["job_id"])
     return AttemptFiles.owned_by(Path(os.path.abspath(attempt["directory"])), owner_uid(job), job["owner"])
-
-
-def conclude(
-    job: dict[str, Any], attempt: dict[str, Any], files: AttemptFiles, ended: Exit, restarted_since: Callable[[float], bool],
-) -> Outcome:
-    """How the attempt ended: its runner's report (outcome.json) when it wrote one, else what
-    its shim recorded and its log shows. ``restarted_since``: did the machine restart after a
-    moment (the launcher's answer), stopping whatever ran then."""
-    outcome = _reported(job, files, ended)
-    if outcome is None and not ended.recorded and (attempt["pid"] is None or attempt["term_sent_at"] or restarted_since(attempt["started_at"])):
-        # Never started (the daemon died first), killed after it was asked to stop, or the
-        # machine restarted under it: not the job's fault, and no crash retry is used up.
-        outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
-    if outcome is None:
-        plan = Plan.from_dict(json.loads(attempt["plan"]))
-        if files.problem is not None:
-            outcome = Outcome(kind="crashed", message=f"the attempt ended, but {files.problem}")
-        else:
-            outcome = outcome_without_report(files, ended.returncode, ended.failed_process, ended.oom_kills, plan)
-    if outcome.kind == "cancelled":
-        outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
-    return outcome
-
-
-def _reported(job: dict[str, Any], files: AttemptFiles, ended: Exit) -> Outcome | None:
-    """The runner's report, or that nothing could run; None when neither says how it ended."""
-    data = files.read_json(OUTCOME)
-    outcome: Outcome | None = None
-    if ended.no_folder:
-        owner = job["owner"]
-        outcome = Outcome(
-            kind="crashed",
-            message=f"the attempt could not enter its workdir {job['workdir']} or make its folder there as {owner}, so nothing "
-            f"ran: the workdir must be a folder {owner} owns and may enter (not replaced, and not behind a folder {owner} "
-            "cannot search)",
-        )
-    if isinstance(data, dict):
-        try:
-            outcome = Outcome.from_dict(data)
-        except (TypeError, ValueError, KeyError, AttributeError) as error:
-            outcome = Outcome(kind="crashed", message=f"its outcome.json cannot be read ({type(error).__name__}: {error})")
-    return outcome
-
-
-def ended_summary(attempt: dict[str, Any], outcome: Outcome) -> str:
-    """The attempt-ended event's line."""
-    resumed = f"resumed from step {outcome.resumed_from}" if outcome.resumed_from is not None else "started at step 0"
-    summary = f"attempt {attempt['number']} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
-    if outcome.kind == "oom" and outcome.phase:
-        summary += f" in {outcome.phase}"
-    elif outcome.kind in ("crashed", "host_oom", "diverged") and outcome.summary:
-        summary += f": {outcome.summary}"
-    return summary
-
-
-def outcome_without_report(
-    attempt_dir: Path | AttemptFiles, returncode: int | None, failed_process: dict[str, Any] | None = None, oom_kills: int | None = None,
-    plan: Plan | None = None,
-) -> Outcome:
-    """How an attempt ended whose runner wrote no outcome.json (killed, died hard, or a user
-    command that does not report): an OOM its output shows (a CUDA OOM it printed, the kernel's
-    OOM killer), else what the exit status says. ``returncode`` is None when no daemon watched.
-    ``failed_process`` is the first process that recorded its own death (exit.json): when it
-    died of an OOM, that error is the cause, whatever the other ranks printed as they were
-    stopped after it. ``oom_kills`` is how many processes the kernel's OOM killer ended while
-    the attempt ran (exit.json, daemon/kernel_oom.py): a failed attempt during which it struck
-    ran out of host memory, even though a SIGKILL leaves no message. ``plan``: the attempt's,
-    for what a command job's script reported through the bootstrap (jobs/script_report.py).
-    ``attempt_dir``: the daemon passes the AttemptFiles it opened as the owner's."""
-    files = attempt_files(attempt_dir)
-    if returncode is None:
-        fallback = Outcome(kind="crashed", message="the attempt was killed with its shim (no exit status recorded), without reporting")
-    else:
-        fallback = Outcome.from_exit_status(returncode)
-    try:
-        with files.open(LOG) as log:
-            text = read_tail(log, max_bytes=OUTPUT_TAIL_BYTES)
-    except OSError:
-        text = ""
-    verdict = read_oom(text)
-    cause = failed_process.get("error") if failed_process else None
-    if isinstance(cause, str) and read_oom(cause).kind != "not_oom":
-        verdict = read_oom(cause)
-    # How far it got: the steps the bootstrap reported, else the script's own progress line.
-    script = read_script_report(files, plan) if plan is not None else ScriptReport()
-    step = script.step if script.step is not None else last_step_count(text) or 0
-    measured = (script.measurement,) if script.measurement is not None else ()
-    fallback = dataclasses.replace(fallback, resumed_from=script.resumed_from, measurements=measured)
-    if verdict.is_device_oom:
-        figures = verdict.memory_figures()
-        return dataclasses.replace(
-            fallback, kind="oom", step=step, memory=figures, message=verdict.message,
-            measurements=measured + ((figures.measurement(plan, step),) if plan is not None else ()),
-        )
-    if fallback.kind == "finished":
-        return dataclasses.replace(fallback, step=step, message="the command exited with code 0" + (f" at optimizer step {step}" if step else ""))
-    if oom_kills and returncode not in (None, 0) and fallback.kind == "crashed":
-        return dataclasses.replace(
-            fallback, kind="host_oom", step=step, traceback_tail=verdict.message,
-            message=f"the kernel's OOM killer ended a process of the attempt: host memory (RAM) ran out ({oom_kills} OOM "
-            "kill(s) on this machine while it ran, /proc/vmstat oom_kill; `dmesg | grep -i oom` names the process)",
-        )
-    if verdict.kind == "host_oom":
-        return dataclasses.replace(fallback, kind="host_oom", step=step, message=verdict.reason, traceback_tail=verdict.message)
-    if not text:
-        return fallback
-    # What the attempt died of is the exception line of this tail (Outcome.summary); the first
-    # process that recorded its own death (a rank) names it before the ranks stopped after it.
-    message = cause if isinstance(cause, str) else fallback.message
-    return dataclasses.replace(fallback, step=step, message=message, traceback_tail=text[-TRACEBACK_TAIL_CHARS:])
 
 
 class Attempts:

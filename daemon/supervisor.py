@@ -18,7 +18,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from oomguard.daemon.attempts import STALL_SECONDS, STOP_GRACE_SECONDS, Attempts, files_of, outcome_without_report
+from oomguard.daemon.attempts import STALL_SECONDS, STOP_GRACE_SECONDS, Attempts, files_of
+from oomguard.daemon.conclude import outcome_without_report
 from oomguard.daemon.clock import Clock, SystemClock
 from oomguard.daemon.events import Events, EventSink, log_error
 from oomguard.daemon.intake import Intake, Secrets, hide_stored_secrets
