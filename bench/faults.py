@@ -579,14 +579,14 @@ def run_fault(fault: str, seeds: list[int], base: Path, rng_seed: int, deadline_
 def wait_for_jobs(state_dir: Path, count: int, deadline: float) -> list[dict[str, Any]]:
     """Every job's record (as `oomguard show --json` prints it) once all have ended, read from
     the store in this process: not one CLI process per job every second beside the jobs."""
-    from oomguard.daemon.cli import job_record
+    from oomguard.daemon.cli.state import job_record
     from oomguard.daemon.store import TERMINAL_STATES, Store
 
     while True:
         store = Store(state_dir / "oomguard.db", readonly=True)
         try:
             jobs = store.jobs()
-            if len(jobs) >= count and (all(j["state"] in TERMINAL_STATES for j in jobs) or time.monotonic() > deadline):
+            if len(jobs) >= count and (all(j.state in TERMINAL_STATES for j in jobs) or time.monotonic() > deadline):
                 return [json.loads(json.dumps(job_record(store, job))) for job in jobs]
         finally:
             store.close()

@@ -1140,7 +1140,7 @@ def main() -> int:
         print(NO_CUDA, file=sys.stderr)
         return 2
 
-    from oomguard.jobs.sizes import parse_size
+    from oomguard.strategies.units import parse_size
     from oomguard.strategies import rungs
     from oomguard.strategies.plan import Plan
     from oomguard.strategies.planner import faithfulness

@@ -681,7 +681,8 @@ def supervisor_overhead(
     through the six orders of the three arms in turn. Drift of the shared machine's load then
     hits all arms alike, and each arm's start-up is paid once. ``overlap_start`` (--quick)
     starts the arms at once, which saves time and spoils the start-up figures."""
-    from oomguard.daemon.users import Account, child_environment
+    from oomguard.daemon.as_user import child_environment
+    from oomguard.daemon.users import Account
     from oomguard.jobs.attempt import AttemptConfig
     from oomguard.strategies import rungs
 
@@ -888,7 +889,7 @@ def _runner_pid(attempt_dir: Path) -> int | None:
 def queue_scale(
     processes: Processes, scratch: Path, jobs: int, cli_sample: int, repeats: int, status_repeats: int, idle_seconds: float, timeout: float,
 ) -> dict[str, Any]:
-    from oomguard.daemon.spool import spool_text, write_to_inbox
+    from oomguard.daemon.inbox import spool_text, write_to_inbox
 
     folder = scratch / "queue"
     state_dir = folder / "state"
@@ -961,7 +962,7 @@ def queue_scale(
 
         # `status` lists the head of the queue (STATUS_QUEUED_SHOWN jobs) with the counts of
         # all; `status --all` lists every job.
-        from oomguard.daemon.cli import STATUS_QUEUED_SHOWN
+        from oomguard.daemon.cli.status import STATUS_QUEUED_SHOWN
 
         for key, extra, expected in (("status", [], min(jobs, STATUS_QUEUED_SHOWN)), ("status_all", ["--all"], jobs)):
             walls = []

@@ -13,25 +13,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from oomguard.daemon.as_user import child_environment, spawn_options
 from oomguard.daemon.clock import Clock
 from oomguard.daemon.conclude import conclude, ended_summary
-from oomguard.daemon.events import Events, how_long, log_error
+from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.job_secrets import with_env
-from oomguard.daemon.launch import Exit, Handle, LaunchFailed, Launcher, LaunchRequest
+from oomguard.daemon.launch import Exit, Handle, Launcher, LaunchRequest
 from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.store import Store
-from oomguard.daemon.users import Account, PermissionRefused, child_environment, spawn_options
+from oomguard.daemon.store_rows import AttemptRow, JobRow
+from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import HEARTBEAT, AttemptConfig, AttemptFiles
 from oomguard.jobs.command import ATTEMPT_ENV, BOOTSTRAP_DIR, render
+from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.script_report import first_schedules
-from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import rungs
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.planner import describe_change
+from oomguard.strategies.units import format_duration_words
+from oomguard.strategies.errors import LaunchFailed, PermissionRefused
 
 if TYPE_CHECKING:
     from oomguard.daemon.intake import Secrets
@@ -50,36 +54,36 @@ class Running:
     handle: Handle
 
 
-def handle_of(attempt: dict[str, Any]) -> Handle:
+def handle_of(attempt: AttemptRow) -> Handle:
     """The launcher's handle of an attempt, from its row."""
-    return Handle(attempt["directory"], attempt["pid"], attempt["pid_started"])
+    return Handle(attempt.directory, attempt.pid, attempt.pid_started)
 
 
-def owner_uid(job: dict[str, Any]) -> int:
+def owner_uid(job: JobRow) -> int:
     """The uid of the job's owner; -1 (nobody's) for a job from before owner_uid was kept
     whose user no longer exists."""
-    if job["owner_uid"] is not None:
-        return int(job["owner_uid"])
+    if job.owner_uid is not None:
+        return int(job.owner_uid)
     try:
-        return pwd.getpwnam(job["owner"]).pw_uid
+        return pwd.getpwnam(job.owner).pw_uid
     except KeyError:
         return -1
 
 
-def owner_of(job: dict[str, Any]) -> Account:
-    if job["owner_uid"] is not None:
-        return Account.from_uid(job["owner_uid"])
-    return Account.from_uid(pwd.getpwnam(job["owner"]).pw_uid)  # a job from before owner_uid
+def owner_of(job: JobRow) -> Account:
+    if job.owner_uid is not None:
+        return Account.from_uid(job.owner_uid)
+    return Account.from_uid(pwd.getpwnam(job.owner).pw_uid)  # a job from before owner_uid
 
 
-def files_of(store: Store, attempt: dict[str, Any]) -> AttemptFiles:
+def files_of(store: Store, attempt: AttemptRow) -> AttemptFiles:
     """What the attempt's processes wrote, opened as its owner's: the workdir is walked to
     without following a link its owner could have put on its path, and it, attempts/, the
     attempt's folder and each file read must be the owner's (jobs/attempt.py). Its owner can
     swap any of them for a link into another user's folders at any time; the daemon (root)
     then reads nothing, never that user's files. Close it (a context manager)."""
-    job = store.job(attempt["job_id"])
-    return AttemptFiles.owned_by(Path(os.path.abspath(attempt["directory"])), owner_uid(job), job["owner"])
+    job = store.job(attempt.job_id)
+    return AttemptFiles.owned_by(Path(os.path.abspath(attempt.directory)), owner_uid(job), job.owner)
 
 
 class Attempts:
@@ -89,7 +93,7 @@ class Attempts:
 
     def __init__(
         self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, secrets: Secrets, jobs: JobCache, *,
-        gpus: GpuMonitor | None, stall_seconds: float, after: Callable[[dict[str, Any], Outcome], None],
+        gpus: GpuMonitor | None, stall_seconds: float, after: Callable[[JobRow, Outcome], None], device: DeviceSpec,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -99,26 +103,29 @@ class Attempts:
         self.secrets = secrets
         self.jobs = jobs  # parsed specs and needs, kept by the scheduler
         self.gpus = gpus
+        # The device every attempt this daemon starts trains on (--emulate-device-memory):
+        # decided when an attempt starts, not stored with the job.
+        self.device = device
         self.stall_seconds = stall_seconds
         self.after = after  # what the job does next, once its attempt's end is recorded
         self.running: dict[int, Running] = {}
 
-    def files_of(self, attempt: dict[str, Any]) -> AttemptFiles:
+    def files_of(self, attempt: AttemptRow) -> AttemptFiles:
         return files_of(self.store, attempt)
 
-    def start(self, job: dict[str, Any], gpus: tuple[int, ...] | None) -> None:
+    def start(self, job: JobRow, gpus: tuple[int, ...] | None) -> None:
         spec = self.jobs.spec(job)
-        plan = Plan.from_dict(json.loads(job["plan"]))
-        number = len(self.store.attempts(job["id"])) + 1
+        plan = job.plan
+        number = len(self.store.attempts(job.id)) + 1
         # Absolute: the shim starts in / (a --state-dir given as a relative path makes relative workdirs).
-        workdir = Path(os.path.abspath(job["workdir"]))
+        workdir = Path(os.path.abspath(job.workdir))
         attempt_dir = workdir / "attempts" / f"{number:03d}"
         config = AttemptConfig(
             job=spec,
             plan=plan,
             number=number,
             workdir=workdir,
-            emulate_device_memory=job["emulate_device_memory"],
+            device=self.device,
             # Only the job's first attempt measures: later ones have the history. A command
             # job's script does not measure for us.
             probe=spec.ladder.probe and number == 1 and spec.command is None,
@@ -127,7 +134,10 @@ class Attempts:
             owner = owner_of(job)
             spawn_options(owner)  # refused before the attempt is recorded: a user this daemon cannot run as
         except (PermissionRefused, KeyError) as error:
-            self.lifecycle.end(job, State.FAILED, f"cannot run it as its owner {job['owner']}: {error}", next_step="nothing: the job has ended; submit it again as a user that exists")
+            self.lifecycle.end(
+                job, State.FAILED, f"cannot run it as its owner {job.owner}: {error}", next_step="nothing: the job has ended; submit it again as a user that exists",
+                code="unknown_owner", data={"owner": job.owner},
+            )
             return
         env = self._environment(plan, owner, gpus)
         # The attempt is in the store before its process exists: a daemon that dies in between
@@ -136,8 +146,8 @@ class Attempts:
             job,
             number=number,
             plan=json.dumps(plan.to_dict()),
-            rung=job["next_rung"],
-            reason=job["next_reason"],
+            rung=job.next_rung,
+            reason=job.next_reason,
             directory=str(attempt_dir),
             gpus=",".join(str(i) for i in gpus) if gpus is not None else None,
             started_at=self.clock.time(),
@@ -148,7 +158,7 @@ class Attempts:
             # The user's own script, with the plan's knobs in its arguments: the bootstrap
             # reports its steps, the shim's exit.json and the log's last error how it ended.
             # The store holds the job's [command.env] masked: the real values come from its secrets file.
-            runner, extra_env = render(with_env(spec.command, self.secrets.env(job["id"])), plan, workdir, number)
+            runner, extra_env = render(with_env(spec.command, self.secrets.env(job.id)), plan, workdir, number)
             env.update(extra_env)
             cwd = spec.command.cwd
             env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
@@ -158,7 +168,7 @@ class Attempts:
         )
         self._launch(job, attempt_id, number, request, plan)
 
-    def _launch(self, job: dict[str, Any], attempt_id: int, number: int, request: LaunchRequest, plan: Plan) -> None:
+    def _launch(self, job: JobRow, attempt_id: int, number: int, request: LaunchRequest, plan: Plan) -> None:
         """Start the recorded attempt; a launcher that cannot start it at all fails the job."""
         gpus, owner = request.gpus, request.owner
         try:
@@ -167,14 +177,20 @@ class Attempts:
             outcome = Outcome(kind="crashed", message=error.why)
             with self.store.atomic():
                 self.lifecycle.end_attempt(attempt_id, outcome)
-                self.lifecycle.end(job, State.FAILED, outcome.message, next_step=f"nothing: the job has ended; {error.fix}, and submit it again")
+                self.lifecycle.end(
+                    job, State.FAILED, outcome.message, next_step=f"nothing: the job has ended; {error.fix}, and submit it again",
+                    code="spawn_failed", data={"attempt": number},
+                )
             return
         self.store.update_attempt(attempt_id, pid=handle.pid, pid_started=handle.started)
-        self.running[attempt_id] = Running(attempt_id, job["id"], handle)
+        self.running[attempt_id] = Running(attempt_id, job.id, handle)
         # Which checkpoint it resumes from is the runner's to find (it verifies the files; the
         # daemon neither hashes gigabytes in its loop nor reads through a user's folder).
         where = f" on GPU {','.join(str(i) for i in gpus)}" if gpus is not None else ""
-        self.events.event(job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}]")
+        self.events.event(
+            job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}]", code="started",
+            data={"attempt": number, "gpus": list(gpus) if gpus is not None else None, "plan": plan.short()},
+        )
 
     def _environment(self, plan: Plan, owner: Account, gpus: tuple[int, ...] | None) -> dict[str, str]:
         """The attempt's environment: the owner's, the plan's (the allocator rung), its GPUs."""
@@ -187,14 +203,14 @@ class Attempts:
                 env[EMULATED_GPUS_ENV] = str(self.gpus.source.emulated_root)
         return env
 
-    def _bootstrap_environment(self, job: dict[str, Any], spec: JobSpec, plan: Plan, python_path: str) -> dict[str, str]:
+    def _bootstrap_environment(self, job: JobRow, spec: JobSpec, plan: Plan, python_path: str) -> dict[str, str]:
         """What a command job's Python processes need to load jobs/bootstrap/sitecustomize.py,
         unchanged: a process that dies of an OOM (or a rank that dies) says so for the shim to
         end the attempt's other processes; each optimizer step is reported (oomguard_progress.py,
         with the first attempt's learning-rate schedules for oomguard_accelerate.py); under
         emulation the script's tensors count against the emulated capacity."""
         schedules = None
-        for earlier in self.store.attempts(job["id"]):  # opened one at a time: usually the first has them
+        for earlier in self.store.attempts(job.id):  # opened one at a time: usually the first has them
             with self.files_of(earlier) as files:
                 schedules = first_schedules([files])
             if schedules:
@@ -206,8 +222,7 @@ class Attempts:
             }),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), python_path])),
         }
-        if job["emulate_device_memory"]:
-            env[EMULATE_DEVICE_MEMORY_ENV] = job["emulate_device_memory"]
+        env.update(self.device.environment())
         return env
 
     def adopt(self) -> None:
@@ -216,14 +231,16 @@ class Attempts:
         attempt recorded just before its shim was started (found by its command line), and a
         job left "running" without an attempt (queued again)."""
         for attempt in self.store.running_attempts():
-            handle = self.launcher.adopt(attempt["directory"], attempt["pid"], attempt["pid_started"])
-            if attempt["pid"] is None and handle.pid is not None:
-                self.store.update_attempt(attempt["id"], pid=handle.pid, pid_started=handle.started)
-            self.running[attempt["id"]] = Running(attempt["id"], attempt["job_id"], handle)
-        open_jobs = {attempt["job_id"] for attempt in self.store.running_attempts()}
+            handle = self.launcher.adopt(attempt.directory, attempt.pid, attempt.pid_started)
+            if attempt.pid is None and handle.pid is not None:
+                self.store.update_attempt(attempt.id, pid=handle.pid, pid_started=handle.started)
+            self.running[attempt.id] = Running(attempt.id, attempt.job_id, handle)
+        open_jobs = {attempt.job_id for attempt in self.store.running_attempts()}
         for job in self.store.running_jobs():
-            if job["id"] not in open_jobs:
-                self.lifecycle.requeue(job, "found running without an attempt after a restart; it continues from its checkpoint")
+            if job.id not in open_jobs:
+                self.lifecycle.requeue(
+                    job, "found running without an attempt after a restart; it continues from its checkpoint", code="found_without_attempt",
+                )
 
     def reap(self) -> None:
         for attempt_id, running in list(self.running.items()):
@@ -233,10 +250,10 @@ class Attempts:
                 self.running.pop(attempt_id, None)
                 log_error(f"collecting attempt {attempt_id}", error)
                 attempt = self.store.attempt(attempt_id)
-                if attempt["ended_at"] is None:
+                if attempt.ended_at is None:
                     outcome = Outcome(kind="crashed", message=f"oomguard could not collect it: {type(error).__name__}: {error}")
                     self.lifecycle.end_attempt(attempt_id, outcome)
-                self.lifecycle.failed_on(running.job_id, f"collecting attempt {attempt['number']}", error)
+                self.lifecycle.failed_on(running.job_id, f"collecting attempt {attempt.number}", error)
 
     def _reap_one(self, attempt_id: int, running: Running) -> None:
         attempt = self.store.attempt(attempt_id)
@@ -246,65 +263,69 @@ class Attempts:
             self._check_stalled(attempt)
             return
         del self.running[attempt_id]
-        uid = owner_uid(self.store.job(attempt["job_id"]))
+        uid = owner_uid(self.store.job(attempt.job_id))
         with self.files_of(attempt) as files:
             ended = self.launcher.collect(running.handle, uid, files)
         self._finish_attempt(attempt, ended)
 
-    def _check_stalled(self, attempt: dict[str, Any]) -> None:
+    def _check_stalled(self, attempt: AttemptRow) -> None:
         with self.files_of(attempt) as files:
             written = files.mtime(HEARTBEAT)
-        last = max(written, attempt["started_at"]) if written is not None else attempt["started_at"]
+        last = max(written, attempt.started_at) if written is not None else attempt.started_at
         silent = self.clock.time() - last
         if silent < self.stall_seconds:
-            if attempt["stalled_at"]:
-                self.store.update_attempt(attempt["id"], stalled_at=None)  # it moves again
+            if attempt.stalled_at:
+                self.store.update_attempt(attempt.id, stalled_at=None)  # it moves again
             return
-        if attempt["stalled_at"]:
+        if attempt.stalled_at:
             return
-        self.store.update_attempt(attempt["id"], stalled_at=self.clock.time())
-        job = self.store.job(attempt["job_id"])
+        self.store.update_attempt(attempt.id, stalled_at=self.clock.time())
+        job = self.store.job(attempt.job_id)
         self.events.event(
-            job, "stalled", f"attempt {attempt['number']} has written no heartbeat for {how_long(silent)}",
-            next_step=f"oomguard keeps it running; look at `oomguard logs {job['id']}`, and `oomguard cancel {job['id']}` if it hangs",
+            job, "stalled", f"attempt {attempt.number} has written no heartbeat for {format_duration_words(silent)}",
+            code="no_heartbeat", data={"attempt": attempt.number, "seconds": silent},
+            next_step=f"oomguard keeps it running; look at `oomguard logs {job.id}`, and `oomguard cancel {job.id}` if it hangs",
         )
 
-    def _enforce_stop_deadline(self, attempt: dict[str, Any]) -> None:
-        sent = attempt["term_sent_at"]
+    def _enforce_stop_deadline(self, attempt: AttemptRow) -> None:
+        sent = attempt.term_sent_at
         if sent and self.clock.time() - sent > STOP_GRACE_SECONDS:
             self.launcher.stop(handle_of(attempt), kill=True)
 
-    def _finish_attempt(self, attempt: dict[str, Any], ended: Exit) -> None:
+    def _finish_attempt(self, attempt: AttemptRow, ended: Exit) -> None:
         """Record how the attempt ended and what its job does next."""
-        job = self.store.job(attempt["job_id"])
-        self.jobs.forget_need(job["id"])  # its measurements change what it needs
+        job = self.store.job(attempt.job_id)
+        self.jobs.forget_need(job.id)  # its measurements change what it needs
         with self.files_of(attempt) as files:
             self._finish_from(job, attempt, files, ended)
 
-    def _finish_from(self, job: dict[str, Any], attempt: dict[str, Any], files: AttemptFiles, ended: Exit) -> None:
+    def _finish_from(self, job: JobRow, attempt: AttemptRow, files: AttemptFiles, ended: Exit) -> None:
         outcome = conclude(job, attempt, files, ended, self.launcher.restarted_since)
         # How the attempt ended and what the job does next are one change: a daemon that dies
         # in between finds the attempt still open and collects it again.
         with self.store.atomic():
-            self.lifecycle.end_attempt(attempt["id"], outcome, ended.returncode)
+            self.lifecycle.end_attempt(attempt.id, outcome, ended.returncode)
             self._report_recoveries(attempt, list(outcome.recoveries))
-            self.events.event(job, "attempt-ended", ended_summary(attempt, outcome))
+            self.events.event(
+                job, "attempt-ended", ended_summary(attempt, outcome), code=outcome.kind,
+                data={"attempt": attempt.number, "step": outcome.step, "phase": outcome.phase, "resumed_from": outcome.resumed_from},
+            )
             self.after(job, outcome)
 
-    def _report_live_recoveries(self, attempt: dict[str, Any]) -> None:
+    def _report_live_recoveries(self, attempt: AttemptRow) -> None:
         with self.files_of(attempt) as files:
             heartbeat = files.read_json(HEARTBEAT)
         recoveries = heartbeat.get("recoveries") if isinstance(heartbeat, dict) else None
         if isinstance(recoveries, list) and all(isinstance(change, dict) for change in recoveries):
             self._report_recoveries(attempt, recoveries)
 
-    def _report_recoveries(self, attempt: dict[str, Any], changes: list[dict[str, Any]]) -> None:
+    def _report_recoveries(self, attempt: AttemptRow, changes: list[dict[str, Any]]) -> None:
         """Rungs the runner took itself (probe, in-process) are events like the daemon's, each
-        reported once: while the attempt runs, or when it ends."""
-        reported = attempt["recoveries_reported"] or 0
+        reported once: while the attempt runs, or when it ends (each row read is reported from once)."""
+        reported = attempt.recoveries_reported
         if len(changes) <= reported:
             return
-        job = self.store.job(attempt["job_id"])
+        job = self.store.job(attempt.job_id)
         for change in changes[reported:]:
             old, new = Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
             what = f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: "
@@ -314,10 +335,12 @@ class Attempts:
                 what += f"{change['oom']} -> {describe_change(old, new)}; {change['reason']}; resumed at step {change['step']} in the same process"
             else:
                 what += change["reason"]
-            self.events.event(job, "escalated", what, next_step=f"the attempt goes on under [{new.short()}] in the same process")
-        self.store.update_attempt(attempt["id"], recoveries_reported=len(changes))
-        attempt["recoveries_reported"] = len(changes)
+            self.events.event(
+                job, "escalated", what, code="in_runner", data={"step": change["step"], "from": old.short(), "to": new.short()},
+                next_step=f"the attempt goes on under [{new.short()}] in the same process",
+            )
+        self.store.update_attempt(attempt.id, recoveries_reported=len(changes))
 
-    def request_stop(self, attempt: dict[str, Any]) -> None:
-        self.store.update_attempt(attempt["id"], term_sent_at=self.clock.time())
+    def request_stop(self, attempt: AttemptRow) -> None:
+        self.store.update_attempt(attempt.id, term_sent_at=self.clock.time())
         self.launcher.stop(handle_of(attempt), kill=False)

@@ -5,12 +5,12 @@ owner's files. The only place the daemon turns an ended attempt into its Outcome
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from oomguard.daemon.launch import Exit
+from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.jobs.attempt import LOG, OUTCOME, AttemptFiles, attempt_files
 from oomguard.jobs.command import last_step_count
 from oomguard.jobs.script_report import ScriptReport, read_script_report
@@ -25,18 +25,18 @@ TRACEBACK_TAIL_CHARS = 4000
 
 
 def conclude(
-    job: dict[str, Any], attempt: dict[str, Any], files: AttemptFiles, ended: Exit, restarted_since: Callable[[float], bool],
+    job: JobRow, attempt: AttemptRow, files: AttemptFiles, ended: Exit, restarted_since: Callable[[float], bool],
 ) -> Outcome:
     """How the attempt ended: its runner's report (outcome.json) when it wrote one, else what
     its shim recorded and its log shows. ``restarted_since``: did the machine restart after a
     moment (the launcher's answer), stopping whatever ran then."""
     outcome = _reported(job, files, ended)
-    if outcome is None and not ended.recorded and (attempt["pid"] is None or attempt["term_sent_at"] or restarted_since(attempt["started_at"])):
+    if outcome is None and not ended.recorded and (attempt.pid is None or attempt.term_sent_at or restarted_since(attempt.started_at)):
         # Never started (the daemon died first), killed after it was asked to stop, or the
         # machine restarted under it: not the job's fault, and no crash retry is used up.
         outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
     if outcome is None:
-        plan = Plan.from_dict(json.loads(attempt["plan"]))
+        plan = attempt.plan
         if files.problem is not None:
             outcome = Outcome(kind="crashed", message=f"the attempt ended, but {files.problem}")
         else:
@@ -46,15 +46,15 @@ def conclude(
     return outcome
 
 
-def _reported(job: dict[str, Any], files: AttemptFiles, ended: Exit) -> Outcome | None:
+def _reported(job: JobRow, files: AttemptFiles, ended: Exit) -> Outcome | None:
     """The runner's report, or that nothing could run; None when neither says how it ended."""
     data = files.read_json(OUTCOME)
     outcome: Outcome | None = None
     if ended.no_folder:
-        owner = job["owner"]
+        owner = job.owner
         outcome = Outcome(
             kind="crashed",
-            message=f"the attempt could not enter its workdir {job['workdir']} or make its folder there as {owner}, so nothing "
+            message=f"the attempt could not enter its workdir {job.workdir} or make its folder there as {owner}, so nothing "
             f"ran: the workdir must be a folder {owner} owns and may enter (not replaced, and not behind a folder {owner} "
             "cannot search)",
         )
@@ -66,10 +66,10 @@ def _reported(job: dict[str, Any], files: AttemptFiles, ended: Exit) -> Outcome 
     return outcome
 
 
-def ended_summary(attempt: dict[str, Any], outcome: Outcome) -> str:
+def ended_summary(attempt: AttemptRow, outcome: Outcome) -> str:
     """The attempt-ended event's line."""
     resumed = f"resumed from step {outcome.resumed_from}" if outcome.resumed_from is not None else "started at step 0"
-    summary = f"attempt {attempt['number']} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
+    summary = f"attempt {attempt.number} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
     if outcome.kind == "oom" and outcome.phase:
         summary += f" in {outcome.phase}"
     elif outcome.kind in ("crashed", "host_oom", "diverged") and outcome.summary:

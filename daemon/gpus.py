@@ -12,10 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from oomguard.jobs.emulated_gpus import EmulatedGpuFolder, parse_gpus
-
-
-class NoGpus(RuntimeError):
-    """NVML found no usable NVIDIA GPU."""
+from oomguard.strategies.errors import NoGpus
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oomguard.daemon.as_user import make_user_directory, spawn_options
 from oomguard.daemon.attempts import owner_of
 from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.job_secrets import public_spec, secrets_of, shows_secrets
@@ -19,10 +20,12 @@ from oomguard.daemon.launch import Launcher
 from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.spool import Arrival, Request, Spool, priority_refusal
-from oomguard.daemon.store import TERMINAL_STATES, AmbiguousJobName, JobNotFound, Store, owns
-from oomguard.daemon.users import Account, PermissionRefused, check_may_change, make_user_directory, spawn_options, system_mode
+from oomguard.daemon.store import TERMINAL_STATES, Store, owns
+from oomguard.daemon.store_rows import JobRow
+from oomguard.daemon.users import Account, check_may_change, system_mode
 from oomguard.jobs.attempt import read_json
 from oomguard.jobs.spec import JobSpec
+from oomguard.strategies.errors import AmbiguousJobName, JobNotFound, PermissionRefused
 
 
 class Secrets:
@@ -62,7 +65,7 @@ def hide_stored_secrets(store: Store, secrets: Secrets) -> None:
     in clear in the store, which every user may read: their secrets move to the secrets
     files (for jobs that may still run), the store keeps the masked form, and SQLite
     overwrites the old text it frees (secure_delete) and folds its WAL back into the file."""
-    stored = [(job["id"], job["state"], json.loads(job["spec"])) for job in store.jobs()]
+    stored = [(job.id, job.state, job.spec_dict()) for job in store.jobs()]
     leaking = [(job_id, state, spec) for job_id, state, spec in stored if shows_secrets(spec)]
     if not leaking:
         return
@@ -81,7 +84,7 @@ def hide_stored_secrets(store: Store, secrets: Secrets) -> None:
 class Intake:
     def __init__(
         self, state: StateDir, store: Store, lifecycle: Lifecycle, events: Events, launcher: Launcher, secrets: Secrets, *,
-        spool: Spool | None, emulate_device_memory: str | None, max_user_priority: int | None, admin_group: str | None,
+        spool: Spool | None, max_user_priority: int | None, admin_group: str | None,
     ) -> None:
         self.state = state
         self.store = store
@@ -90,7 +93,6 @@ class Intake:
         self.launcher = launcher  # runs a program as a user: the workdir is made as its owner
         self.secrets = secrets
         self.spool = spool
-        self.emulate_device_memory = emulate_device_memory
         # The highest priority a job from the spool may have unless its owner is root, the
         # daemon's own user or an admin (None: no cap).
         self.max_user_priority = max_user_priority
@@ -110,7 +112,6 @@ class Intake:
                 workdir=workdir or spec.workdir,
                 plan=spec.initial_plan().to_dict(),
                 spool_file=spool_file,
-                emulate_device_memory=self.emulate_device_memory,
                 jobs_root=self.state.jobs,
             )
             self.secrets.save(job_id, secrets_of(full))
@@ -118,26 +119,32 @@ class Intake:
         try:
             self._prepare_workdir(job, owner, default=not (workdir or spec.workdir))
         except PermissionRefused as error:
-            self.lifecycle.end(job, State.FAILED, f"cannot use its workdir: {error}", next_step="nothing: fix the workdir and submit the job again")
+            self.lifecycle.end(
+                job, State.FAILED, f"cannot use its workdir: {error}", next_step="nothing: fix the workdir and submit the job again",
+                code="workdir_refused", data={"workdir": job.workdir},
+            )
             return job_id
-        self.events.event(job, "queued", f"queued (owner {owner.name}, batch {spec.train.batch_size}, {spec.train.max_steps} steps, workdir {job['workdir']})")
+        job = self.store.job(job_id)  # its workdir as made
+        self.events.event(
+            job, "queued", f"queued (owner {owner.name}, batch {spec.train.batch_size}, {spec.train.max_steps} steps, workdir {job.workdir})",
+            code="queued", data={"batch_size": spec.train.batch_size, "max_steps": spec.train.max_steps},
+        )
         return job_id
 
-    def _prepare_workdir(self, job: dict[str, Any], owner: Account, *, default: bool) -> None:
+    def _prepare_workdir(self, job: JobRow, owner: Account, *, default: bool) -> None:
         """The job's workdir, owned by its owner: under the state directory the daemon makes it
         and hands it over; anywhere else it is made as the owner, so the kernel checks the
         owner may write there, and kept under its real path as the owner resolves it (the
         daemon later opens it without following links its users could make: attempts.files_of)."""
-        workdir = Path(job["workdir"])
+        workdir = Path(job.workdir)
         if default:
             workdir.mkdir(mode=0o750, parents=True, exist_ok=True)
             if system_mode() and owner.uid != os.geteuid():
                 os.chown(workdir, owner.uid, owner.gid)
             return
         real = str(make_user_directory(workdir, owner, self.launcher.run_as))
-        if real != job["workdir"]:
-            self.store.update_job(job["id"], workdir=real)
-            job["workdir"] = real
+        if real != job.workdir:
+            self.store.update_job(job.id, workdir=real)
 
     def take_spool(self) -> None:
         if self.spool is None:
@@ -199,17 +206,17 @@ class Intake:
         used = None
         if job is not None:
             if not owns(job, owner.uid, owner.name):
-                used = f"job {job['id']} of {job['owner']}"
-            elif os.path.lexists(self.spool.accepted / f"{job['id']:06d}-{path.name}"):
-                used = f"your job {job['id']} ({job['name']})"
+                used = f"job {job.id} of {job.owner}"
+            elif os.path.lexists(self.spool.accepted / f"{job.id:06d}-{path.name}"):
+                used = f"your job {job.id} ({job.name})"
             else:  # recorded before a crash that came before the move: just finish the move
-                self.spool.accept(path, job["id"])
+                self.spool.accept(path, job.id)
                 return True
         elif request is not None:
-            if request["requester"] != owner.name:
-                used = f"a file of {request['requester']}"
-            elif request["action"] == "submit":  # a job file refused earlier (moved to rejected/ first)
-                used = f"your job file refused at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(request['at']))}"
+            if request.requester != owner.name:
+                used = f"a file of {request.requester}"
+            elif request.action == "submit":  # a job file refused earlier (moved to rejected/ first)
+                used = f"your job file refused at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(request.at))}"
             else:  # answered before a crash that came before the removal
                 self.spool.consume(path)
                 return True
@@ -223,25 +230,25 @@ class Intake:
     def answer(self, request: Request) -> None:
         """Apply a user's request about a job if they may; the answer goes to the store, where
         the CLI that wrote the request reads it."""
-        job: dict[str, Any] | None = None
+        job: JobRow | None = None
         try:
             if request.action != "cancel":
                 raise PermissionRefused(f"unknown request {request.action!r} (oomguard knows: cancel)")
             # A name means the requester's own job first (Store.job_for); the CLI sends an id.
             job = self.store.job_for(request.job, request.requester.uid, request.requester.name)
-            label = f"job {job['id']} ({job['name']})"
+            label = f"job {job.id} ({job.name})"
             check_may_change(request.requester, owner_of(job).uid, "cancel", label, self.admin_group)
-            if job["state"] in TERMINAL_STATES:
-                raise PermissionRefused(f"{label} has already ended: {job['state']}")
+            if job.state in TERMINAL_STATES:
+                raise PermissionRefused(f"{label} has already ended: {job.state}")
         except (PermissionRefused, JobNotFound, AmbiguousJobName) as error:
             answer, accepted = str(error), False
         else:
-            self.store.request_cancel(job["id"])
+            self.store.request_cancel(job.id)
             answer, accepted = f"cancel requested for {label} by {request.requester.name}: the daemon checkpoints and stops it", True
-            self.events.event(job, "cancel-requested", f"by {request.requester.name}")
+            self.events.event(job, "cancel-requested", f"by {request.requester.name}", code="cancel-requested", data={"by": request.requester.name})
         self.store.add_request(
             file=request.spool_file, requester=request.requester.name, action=request.action, job_key=request.job,
-            job_id=job["id"] if job else None, accepted=int(accepted), answer=answer,
+            job_id=job.id if job else None, accepted=int(accepted), answer=answer,
         )
         if not accepted:
             print(f"refused a request of {request.requester.name}: {answer}", flush=True)

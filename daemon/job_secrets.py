@@ -20,7 +20,7 @@ import string
 from collections.abc import Mapping
 from typing import Any
 
-from oomguard.jobs.command import CommandSpec
+from oomguard.jobs.spec import CommandSpec
 
 __all__ = ["ENV_MASK", "mask_env_value", "public_spec", "secrets_of", "shows_secrets", "with_env"]
 
@@ -52,7 +52,7 @@ def public_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
         public["command"] = {**command, "env": {name: mask_env_value(str(value)) for name, value in command["env"].items()}}
     notify = spec.get("notify")
     if isinstance(notify, Mapping) and notify.get("urls"):
-        from oomguard.daemon.notifier import is_redacted, redact_url  # apprise: only for jobs with URLs
+        from oomguard.daemon.notify_redact import is_redacted, redact_url  # apprise: only for jobs with URLs
 
         urls = [url if is_redacted(url) else redact_url(url) for url in notify["urls"]]
         public["notify"] = {**notify, "urls": urls}

@@ -19,11 +19,13 @@ from typing import Any
 from oomguard.daemon.clock import Clock
 from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.store import Store
+from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.jobs.script_report import read_script_report
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies.doctor import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
-from oomguard.strategies.outcome import Outcome, format_bytes
+from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.units import format_bytes
 
 # What a relaunch with other knobs keeps for a command job: the script draws its own noise per
 # micro-batch, so its weights are not checked, only its schedule (jobs/script_report.py).
@@ -74,7 +76,7 @@ class Lifecycle:
         self.on_ended = on_ended
 
     def _move(self, job_id: int, new: State, **fields: Any) -> None:
-        check(State(self.store.job(job_id)["state"]), new)
+        check(State(self.store.job(job_id).state), new)
         self.store.update_job(job_id, state=new.value, **fields)
 
     # Entering and leaving the queue ------------------------------------------------------------
@@ -84,48 +86,52 @@ class Lifecycle:
         check(None, State.QUEUED)
         return self.store.add_job(**job)
 
-    def start(self, job: dict[str, Any], **attempt: Any) -> int:
+    def start(self, job: JobRow, **attempt: Any) -> int:
         """Record the job's next attempt and the job as running, in one transaction: a daemon
         that dies before its process starts finds the row and looks for it (adoption)."""
         now = attempt["started_at"]
         with self.store.atomic():
-            attempt_id = self.store.add_attempt(job_id=job["id"], **attempt)
+            attempt_id = self.store.add_attempt(job_id=job.id, **attempt)
             self._move(
-                job["id"], State.RUNNING, started_at=job["started_at"] or now, next_rung=None, next_reason=None, waiting=None,
+                job.id, State.RUNNING, started_at=job.started_at or now, next_rung=None, next_reason=None, waiting=None,
                 wait_free_bytes=None, waiting_since=None,
             )
         return attempt_id
 
-    def requeue(self, job: dict[str, Any], message: str) -> None:
+    def requeue(self, job: JobRow, message: str, *, code: str, data: Mapping[str, Any] | None = None) -> None:
         """A running job back in the queue, its plan unchanged (the daemon stopped or restarted)."""
-        self._move(job["id"], State.QUEUED)
-        self.events.event(job, "requeued", message)
+        self._move(job.id, State.QUEUED)
+        self.events.event(job, "requeued", message, code=code, data=data)
 
-    def escalate(self, job: dict[str, Any], plan: Plan, rung: str, reason: str, next_step: str) -> None:
+    def escalate(self, job: JobRow, plan: Plan, rung: str, reason: str, next_step: str, *, old_plan: Plan) -> None:
         """Queued again under the next plan of the ladder."""
-        self._move(job["id"], State.QUEUED, plan=json.dumps(plan.to_dict()), next_rung=rung, next_reason=reason)
-        self.events.event(job, "escalated", f"rung {rung}: {reason}", next_step=next_step)
+        self._move(job.id, State.QUEUED, plan=json.dumps(plan.to_dict()), next_rung=rung, next_reason=reason)
+        self.events.event(
+            job, "escalated", f"rung {rung}: {reason}", code="ladder", data={"rung": rung, "from": old_plan.short(), "to": plan.short()},
+            next_step=next_step,
+        )
 
-    def wait_for_memory(self, job: dict[str, Any], free_bytes: int, waiting: str, reason: str) -> None:
+    def wait_for_memory(self, job: JobRow, free_bytes: int, waiting: str, reason: str) -> None:
         """Queued again, the same plan, until a GPU has ``free_bytes`` free (a neighbour's spike)."""
-        self._move(job["id"], State.QUEUED, next_rung=None, next_reason=reason, waiting=waiting, wait_free_bytes=free_bytes)
-        self.events.event(job, "contention", reason)
+        self._move(job.id, State.QUEUED, next_rung=None, next_reason=reason, waiting=waiting, wait_free_bytes=free_bytes)
+        self.events.event(job, "contention", reason, code="contention", data={"free_bytes": free_bytes})
 
-    def retry(self, job: dict[str, Any], reason: str, waiting: str | None) -> None:
+    def retry(self, job: JobRow, reason: str, waiting: str | None, *, after_seconds: float) -> None:
         """Queued again, the same plan (a transient crash); ``waiting`` says for how long it pauses."""
-        self._move(job["id"], State.QUEUED, next_rung=None, next_reason=reason, waiting=waiting)
-        self.events.event(job, "retry", reason)
+        self._move(job.id, State.QUEUED, next_rung=None, next_reason=reason, waiting=waiting)
+        self.events.event(job, "retry", reason, code="retry", data={"after_seconds": after_seconds})
 
-    def keep_plan(self, job: dict[str, Any], plan: Plan) -> None:
+    def keep_plan(self, job: JobRow, plan: Plan) -> None:
         """The plan the job's last attempt ended under (a probe or an in-process recovery moved it)."""
-        self.store.update_job(job["id"], plan=json.dumps(plan.to_dict()))
+        self.store.update_job(job.id, plan=json.dumps(plan.to_dict()))
 
     # Notes on queued jobs ------------------------------------------------------------------------
 
-    def note_waiting(self, job: dict[str, Any], reason: str) -> None:
-        """A queued job that does not fit on the GPUs now, and why (an event when it changes)."""
-        self._move(job["id"], State.QUEUED, waiting=reason, waiting_since=job["waiting_since"] or self.clock.time())
-        self.events.event(job, "waiting", reason)
+    def note_waiting(self, job: JobRow, reason: str, *, code: str) -> None:
+        """A queued job that does not fit on the GPUs now, and why (an event when it changes;
+        ``code``: placement.Waiting's)."""
+        self._move(job.id, State.QUEUED, waiting=reason, waiting_since=job.waiting_since or self.clock.time())
+        self.events.event(job, "waiting", reason, code=code)
 
     def note_slots_taken(self, note: str, replaces: str) -> None:
         """Every queued job without a note (or with an older one of this kind) waits for a slot:
@@ -134,13 +140,17 @@ class Lifecycle:
 
     # Ending ----------------------------------------------------------------------------------------
 
-    def end(self, job: dict[str, Any], state: State, result: str, report: str | None = None, next_step: str | None = None) -> None:
+    def end(
+        self, job: JobRow, state: State, result: str, report: str | None = None, next_step: str | None = None, *,
+        code: str, data: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The job ends in ``state``; ``code`` says why (the event's), ``result`` in words."""
         if state not in ENDED:
             raise IllegalTransition(f"{state.value} does not end a job")
         if self.on_ended is not None:
-            self.on_ended(job["id"])
-        self._move(job["id"], state, ended_at=self.clock.time(), result=result, report=report, waiting=None, waiting_since=None)
-        self.events.event(job, state.value, result, next_step=next_step, report=report)
+            self.on_ended(job.id)
+        self._move(job.id, state, ended_at=self.clock.time(), result=result, report=report, waiting=None, waiting_since=None)
+        self.events.event(job, state.value, result, code=code, data=data, next_step=next_step, report=report)
 
     def end_attempt(self, attempt_id: int, outcome: Outcome, exit_code: int | None = None) -> None:
         """How an attempt ended (its job's next step is the caller's, in the same transaction)."""
@@ -151,7 +161,7 @@ class Lifecycle:
 
     # After an attempt ------------------------------------------------------------------------------
 
-    def after_attempt(self, job: dict[str, Any], outcome: Outcome, spec: JobSpec, *, stopping: bool) -> Decision | None:
+    def after_attempt(self, job: JobRow, outcome: Outcome, spec: JobSpec, *, stopping: bool) -> Decision | None:
         """What the job does after an attempt ended with ``outcome``: it ends, goes back to the
         queue as it was (the daemon stops), or the doctor decides (the decision is returned:
         a retry's pause is the scheduler's to keep)."""
@@ -159,26 +169,29 @@ class Lifecycle:
             if spec.command is not None:
                 self._end_command_job(job, spec)
                 return None
-            final = Path(job["workdir"]) / "final"
-            self.end(job, State.FINISHED, f"finished {outcome.step} steps; final model in {final}", next_step=f"nothing: the final model is in {final}")
+            final = Path(job.workdir) / "final"
+            self.end(
+                job, State.FINISHED, f"finished {outcome.step} steps; final model in {final}", next_step=f"nothing: the final model is in {final}",
+                code="finished", data={"step": outcome.step},
+            )
             return None
-        if job["cancel_requested"]:
-            self.end(job, State.CANCELLED, f"cancelled at step {outcome.step} (checkpoint kept in {job['workdir']})")
+        if job.cancel_requested:
+            self.end(job, State.CANCELLED, f"cancelled at step {outcome.step} (checkpoint kept in {job.workdir})", code="cancelled_running", data={"step": outcome.step})
             return None
         if outcome.kind == "interrupted" and stopping:
-            self.requeue(job, f"stopped with the daemon at step {outcome.step}; it resumes when the daemon starts again")
+            self.requeue(job, f"stopped with the daemon at step {outcome.step}; it resumes when the daemon starts again", code="daemon_stopped", data={"step": outcome.step})
             return None
         # The plan the attempt ended under: its probe or an in-process recovery may have
         # moved it from the one it started with.
-        plan = outcome.plan or Plan.from_dict(json.loads(job["plan"]))
-        history = [_past_attempt(a) for a in self.store.attempts(job["id"]) if a["outcome"]]
+        plan = outcome.plan or job.plan
+        history = [_past_attempt(a) for a in self.store.attempts(job.id) if a.outcome is not None]
         decision = decide(outcome, plan, history, spec.policy())
         if isinstance(decision, (Retry, Wait)) and outcome.plan is not None:
             self.keep_plan(job, outcome.plan)
         if isinstance(decision, NextPlan):
             self.escalate(
                 job, decision.plan, decision.rung, decision.reason,
-                next_step=f"the next attempt runs under [{decision.plan.short()}] from the last checkpoint",
+                next_step=f"the next attempt runs under [{decision.plan.short()}] from the last checkpoint", old_plan=plan,
             )
         elif isinstance(decision, Wait):
             waiting = f"waiting for {format_bytes(decision.free_bytes)} free after a neighbour's spike"
@@ -188,41 +201,46 @@ class Lifecycle:
             if decision.after_seconds > 0:
                 ended = f"{outcome.kind}: {outcome.summary}" if outcome.summary else outcome.kind
                 waiting = f"retrying {decision.after_seconds:.0f} s after the attempt ended ({ended})"
-            self.retry(job, decision.reason, waiting)
+            self.retry(job, decision.reason, waiting, after_seconds=decision.after_seconds)
         elif isinstance(decision, GiveUp):
             self.end(
                 job, State.FAILED, decision.reason, report=decision.report,
-                next_step=f"nothing more: the job has ended; `oomguard show {job['id']}` has the report; {decision.next_step}",
+                next_step=f"nothing more: the job has ended; `oomguard show {job.id}` has the report; {decision.next_step}",
+                code="gave_up", data={"outcome": outcome.kind, "step": outcome.step},
             )
         return decision
 
-    def _end_command_job(self, job: dict[str, Any], spec: JobSpec) -> None:
+    def _end_command_job(self, job: JobRow, spec: JobSpec) -> None:
         """A finished command job, checked against its target (the steps of its job file, the
         learning rate its first attempt's schedule ends at), with what its relaunches kept."""
-        attempts = self.store.attempts(job["id"])
+        attempts = self.store.attempts(job.id)
         last = attempts[-1]
         with self.events.files_of(last) as files:
-            end = read_script_report(files, Plan.from_dict(json.loads(last["plan"]))).end_state(spec.train.max_steps)
+            end = read_script_report(files, last.plan).end_state(spec.train.max_steps)
         result = f"the command exited with code 0; {end.describe()}"
-        if len({a["plan"] for a in attempts}) > 1:
+        split = len({a.plan_json for a in attempts}) > 1
+        if split:
             result += f"; {COMMAND_SPLIT_KEEPS}"
         next_step = "nothing: the script has written its results"
         if end.differences:
-            next_step = f"check the script's results: it did not end where the job file says (`oomguard show {job['id']}`)"
-        self.end(job, State.FINISHED, result, next_step=next_step)
+            next_step = f"check the script's results: it did not end where the job file says (`oomguard show {job.id}`)"
+        code = "command_off_target" if end.differences else "command_finished"
+        self.end(job, State.FINISHED, result, next_step=next_step, code=code, data={"split": split})
 
     def failed_on(self, job_id: int, what: str, error: BaseException) -> None:
         """An error of oomguard's while handling one job: the job ends, failed, with the error
         recorded and its people told, instead of the same error at every tick."""
         log_error(f"{what} (job {job_id})", error)
         job = self.store.job(job_id)
-        if State(job["state"]) not in ENDED:
+        if State(job.state) not in ENDED:
             self.end(
                 job, State.FAILED, f"oomguard failed while {what}: {type(error).__name__}: {error}",
                 next_step="nothing: the job has ended; the daemon's log has the details; submit it again, and report the error",
+                code="oomguard_error", data={"while": what, "error": type(error).__name__},
             )
 
 
-def _past_attempt(attempt: dict[str, Any]) -> PastAttempt:
-    outcome = Outcome.from_dict(json.loads(attempt["outcome"]))
-    return PastAttempt(plan=outcome.plan or Plan.from_dict(json.loads(attempt["plan"])), outcome=outcome)
+def _past_attempt(attempt: AttemptRow) -> PastAttempt:
+    outcome = attempt.outcome
+    assert outcome is not None  # only ended attempts are past
+    return PastAttempt(plan=outcome.plan or attempt.plan, outcome=outcome)

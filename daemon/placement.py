@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from oomguard.daemon.gpus import GpuState
-from oomguard.strategies.outcome import format_bytes
+from oomguard.strategies.units import format_bytes
 
 # A job with an unknown need starts only on a GPU with at least this share of it free.
 UNKNOWN_NEED_FREE_SHARE = 0.9
@@ -45,12 +45,15 @@ class Placed:
 @dataclass(frozen=True)
 class Waiting:
     reason: str
+    # Its waiting event's code: "too_few_gpus" (the box has fewer than the job asks for) or
+    # "no_room" (not enough free GPUs now).
+    code: str = "no_room"
 
 
 def place(need: Need, gpus: list[GpuState], holders: dict[int, list[Holder]]) -> Placed | Waiting:
     """The GPUs for ``need`` now, or why there are none."""
     if need.gpus > len(gpus):
-        return Waiting(f"needs {need.gpus} GPUs; this box has {len(gpus)} (lower resources.gpus)")
+        return Waiting(f"needs {need.gpus} GPUs; this box has {len(gpus)} (lower resources.gpus)", code="too_few_gpus")
     fitting: list[GpuState] = []
     refusals: list[str] = []
     for gpu in gpus:

@@ -8,23 +8,22 @@ need, the last pass's view) and writes what a queued job waits for through the l
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from oomguard.daemon.attempts import Running, handle_of, owner_uid
 from oomguard.daemon.clock import Clock
-from oomguard.daemon.events import Events, how_long
+from oomguard.daemon.events import Events
 from oomguard.daemon.launch import Launcher
 from oomguard.daemon.lifecycle import Lifecycle
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.placement import Holder, Need, Placed, place
 from oomguard.daemon.store import Store
+from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies.memory_model import MARGIN_RAN
-from oomguard.strategies.outcome import Outcome
-from oomguard.strategies.plan import Plan
+from oomguard.strategies.units import format_duration_words
 
 # The scheduling pass: skipped while nothing changes, but run in full at least this often;
 # and at most this long per tick (a huge queue is gone through over several ticks, so that
@@ -42,21 +41,22 @@ class JobCache:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._specs: dict[int, JobSpec] = {}
-        self._needs: dict[int, tuple[tuple[Any, Any], Need]] = {}
+        self._needs: dict[int, tuple[tuple[str, int | None], Need]] = {}
 
-    def spec(self, job: dict[str, Any]) -> JobSpec:
-        spec = self._specs.get(job["id"])
+    def spec(self, job: JobRow) -> JobSpec:
+        spec = self._specs.get(job.id)
         if spec is None:
-            spec = self._specs[job["id"]] = JobSpec.from_dict(json.loads(job["spec"]))
+            spec = self._specs[job.id] = job.spec
         return spec
 
-    def need(self, job: dict[str, Any]) -> Need:
-        """What the job needs free per GPU (measure_need), kept while its plan and wait stay."""
-        cached = self._needs.get(job["id"])
-        if cached is not None and cached[0] == (job["plan"], job["wait_free_bytes"]):
+    def need(self, job: JobRow) -> Need:
+        """What the job needs free per GPU (measure_need), kept while its plan and wait stay
+        (the plan's stored text: comparing it costs nothing, parsing it at every pass would)."""
+        cached = self._needs.get(job.id)
+        if cached is not None and cached[0] == (job.plan_json, job.wait_free_bytes):
             return cached[1]
-        need = measure_need(job, self.spec(job), self.store.attempts(job["id"]) if job["wait_free_bytes"] is None else [])
-        self._needs[job["id"]] = ((job["plan"], job["wait_free_bytes"]), need)
+        need = measure_need(job, self.spec(job), self.store.attempts(job.id) if job.wait_free_bytes is None else [])
+        self._needs[job.id] = ((job.plan_json, job.wait_free_bytes), need)
         return need
 
     def forget_need(self, job_id: int) -> None:
@@ -72,7 +72,7 @@ class Scheduler:
     def __init__(
         self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, jobs: JobCache, *,
         gpus: GpuMonitor | None, max_parallel: int | None, stall_seconds: float, running: Mapping[int, Running],
-        start: Callable[[dict[str, Any], tuple[int, ...] | None], None],
+        start: Callable[[JobRow, tuple[int, ...] | None], None],
     ) -> None:
         self.store = store
         self.clock = clock
@@ -122,35 +122,35 @@ class Scheduler:
             if self.clock.monotonic() > deadline:
                 self._last_pass = None  # the rest of the queue next tick
                 return
-            if job["cancel_requested"]:
+            if job.cancel_requested:
                 continue
-            not_before = self.not_before.get(job["id"])
+            not_before = self.not_before.get(job.id)
             if not_before is not None:
                 if self.clock.monotonic() < not_before:
                     continue
-                del self.not_before[job["id"]]
+                del self.not_before[job.id]
             try:
                 started = self._try_to_start(job, gpus, holders, answers)
             except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
-                self.lifecycle.failed_on(job["id"], "starting an attempt", error)
+                self.lifecycle.failed_on(job.id, "starting an attempt", error)
                 continue
             if started and gpus is not None:
                 gpus = self.gpus.read()  # type: ignore[union-attr]
                 holders = self._holders(gpus)
                 answers.clear()
 
-    def _note_slots_taken(self, limit: int, queued: list[dict[str, Any]]) -> None:
+    def _note_slots_taken(self, limit: int, queued: list[JobRow]) -> None:
         """Queued jobs that wait only for a slot say so, and for which jobs (status' note);
         written when the note or the queue changed, not at every tick."""
         running = ", ".join(str(job_id) for job_id in sorted(r.job_id for r in self.running.values()))
         why = f"--max-parallel {limit}" if self.max_parallel is not None else "without GPUs the daemon runs one at a time; --max-parallel raises it"
         note = f"{SLOTS_TAKEN}{running} ({why})"
-        noted = (note, tuple(job["id"] for job in queued))
+        noted = (note, tuple(job.id for job in queued))
         if noted != self._slots_noted:
             self.lifecycle.note_slots_taken(note, replaces=SLOTS_TAKEN)
             self._slots_noted = noted
 
-    def _try_to_start(self, job: dict[str, Any], gpus: list[Any] | None, holders: dict[int, list[Holder]], answers: dict[Need, Any]) -> bool:
+    def _try_to_start(self, job: JobRow, gpus: list[Any] | None, holders: dict[int, list[Holder]], answers: dict[Need, Any]) -> bool:
         """Start the job's next attempt where it fits; False (and why, in the job) when it waits.
         A job that can never fit (more GPUs than the box has) waits like any other, saying so,
         and is reported stalled after --stall-after: a card may only be lost for a while."""
@@ -163,39 +163,39 @@ class Scheduler:
             if not isinstance(where, Placed):
                 # Lower-priority jobs may still fit elsewhere: the caller looks at them too. The
                 # reason is an event when it changes in words, not with every byte of free memory.
-                if job["waiting"] is None or not same_reason(job["waiting"], where.reason):
-                    self.lifecycle.note_waiting(job, where.reason)
+                if job.waiting is None or not same_reason(job.waiting, where.reason):
+                    self.lifecycle.note_waiting(job, where.reason, code=where.code)
                 self._check_waiting_too_long(job, where.reason)
                 return False
             placed = where.gpus
         self.start(job, placed)
         return True
 
-    def _check_waiting_too_long(self, job: dict[str, Any], reason: str) -> None:
+    def _check_waiting_too_long(self, job: JobRow, reason: str) -> None:
         """A job that has waited for a GPU as long as a silent attempt would be stalled is
         reported the same way, once per wait: someone may have to free a GPU."""
-        since = job["waiting_since"]
-        if since is None or self.clock.time() - since < self.stall_seconds or self.store.has_event_since(job["id"], "stalled", since):
+        since = job.waiting_since
+        if since is None or self.clock.time() - since < self.stall_seconds or self.store.has_event_since(job.id, "stalled", since):
             return
         waited = self.clock.time() - since
         self.events.event(
-            job, "stalled", f"queued and waiting for {how_long(waited)}: {reason}",
+            job, "stalled", f"queued and waiting for {format_duration_words(waited)}: {reason}", code="waiting_too_long", data={"seconds": waited},
             next_step="oomguard keeps waiting and starts it as soon as a GPU has room; free one (`oomguard gpus` shows what is on them), or cancel it",
         )
 
     def _holders(self, gpus: list[Any]) -> dict[int, list[Holder]]:
         holders: dict[int, list[Holder]] = {}
-        placed = [(attempt, self.store.job(attempt["job_id"])) for attempt in self.store.running_attempts() if attempt["gpus"]]
+        placed = [(attempt, self.store.job(attempt.job_id)) for attempt in self.store.running_attempts() if attempt.gpus]
         # Which attempt each process on a GPU belongs to (the launcher knows its processes).
         pids = {p.pid for g in gpus for p in g.processes}
         theirs = self.launcher.processes_of([(handle_of(attempt), owner_uid(job)) for attempt, job in placed], pids)
         for attempt, job in placed:
             spec = self.jobs.spec(job)
             need = self.jobs.need(job)
-            mine = theirs.get(attempt["directory"], set())
-            for index in (int(i) for i in attempt["gpus"].split(",")):
+            mine = theirs.get(attempt.directory, set())
+            for index in attempt.gpus or ():
                 used = sum(p.used_bytes for g in gpus if g.index == index for p in g.processes if p.pid in mine)
-                holders.setdefault(index, []).append(Holder(job["id"], spec.resources.share, need.free_bytes, used))
+                holders.setdefault(index, []).append(Holder(job.id, spec.resources.share, need.free_bytes, used))
         return holders
 
 
@@ -207,27 +207,28 @@ def slot_limit(max_parallel: int | None, has_gpus: bool) -> int | None:
     return max_parallel if max_parallel is not None else (None if has_gpus else 1)
 
 
-def pass_signature(queued: list[dict[str, Any]], running: Mapping[int, Any], gpus: list[Any] | None) -> tuple[Any, ...]:
+def pass_signature(queued: list[JobRow], running: Mapping[int, Any], gpus: list[Any] | None) -> tuple[Any, ...]:
     """What a pass sees: the same queue, the same attempts, the GPUs' free memory within 1/256
-    of each card. A pass that would see what the last one saw answers the same."""
+    of each card. A pass that would see what the last one saw answers the same. Plans by their
+    stored text: parsing 10,000 plans would take ~0.5 s at every tick, comparing texts nothing."""
     return (
-        tuple((job["id"], job["plan"], job["wait_free_bytes"], job["cancel_requested"]) for job in queued),
+        tuple((job.id, job.plan_json, job.wait_free_bytes, job.cancel_requested) for job in queued),
         tuple(sorted(running)),
         tuple((g.index, g.free * 256 // max(g.total, 1), len(g.processes)) for g in gpus) if gpus is not None else None,
     )
 
 
-def measure_need(job: dict[str, Any], spec: JobSpec, attempts: list[dict[str, Any]]) -> Need:
+def measure_need(job: JobRow, spec: JobSpec, attempts: list[AttemptRow]) -> Need:
     """What the job needs free per GPU: after contention, what it waits for; else the peak
     its plan measured (with the margin of a plan that ran); else what the job file says."""
-    free_bytes: int | None = job["wait_free_bytes"]
+    free_bytes: int | None = job.wait_free_bytes
     if free_bytes is None:
-        plan = Plan.from_dict(json.loads(job["plan"]))
+        plan = job.plan
         peaks = [
             m.peak_bytes
             for attempt in attempts
-            if attempt["outcome"]
-            for m in Outcome.from_dict(json.loads(attempt["outcome"])).measurements
+            if attempt.outcome is not None
+            for m in attempt.outcome.measurements
             if m.fits and m.plan == plan
         ]
         free_bytes = int(max(peaks) * (1 + MARGIN_RAN)) if peaks else spec.resources.memory

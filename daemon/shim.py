@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -114,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     attempt_dir, options, command = parsed
-    cwd = options.get("--cwd")
     config = sys.stdin.read()
     problem = _prepare(attempt_dir, options.get("--workdir"), config)
     if problem is not None:
@@ -125,6 +125,27 @@ def main(argv: list[str] | None = None) -> int:
     def ours() -> set[int]:
         return processes.of_attempt(os.getpid(), args[0])
 
+    received = _pass_signals_on(ours)
+    environment = {**os.environ, processes.ATTEMPT_DIR_ENV: args[0]}
+    with (attempt_dir / LOG).open("ab") as log:
+        oom_kills_before = kernel_oom.kills()
+        child = _start(command, options.get("--cwd"), environment, attempt_dir, log)
+        if child is None:
+            return 127
+        status: dict[str, Any] = {}
+        returncode = _wait(child, attempt_dir, ours, log, status)
+        left_over = processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
+        oom_kills = kernel_oom.kills_between(oom_kills_before, kernel_oom.kills())
+        if left_over:
+            _say(log, f"ended {len(left_over)} process(es) of the attempt left running after the command exited")
+    _collect_orphans()
+    _record_exit(attempt_dir, returncode, received, status.get("torn_down_at"), len(left_over), oom_kills)
+    return 0
+
+
+def _pass_signals_on(ours: Callable[[], set[int]]) -> list[str]:
+    """Outlive SIGTERM/SIGINT/SIGHUP, passing each on to the attempt's processes outside our
+    group; returns the list of the names of those received (it fills as they come)."""
     received: list[str] = []
 
     def note(signum: int, frame: object) -> None:
@@ -135,28 +156,30 @@ def main(argv: list[str] | None = None) -> int:
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, note)
-    environment = {**os.environ, processes.ATTEMPT_DIR_ENV: args[0]}
-    with (attempt_dir / LOG).open("ab") as log:
-        oom_kills_before = kernel_oom.kills()
-        try:
-            child = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment, preexec_fn=kernel_oom.prefer_me,
-                cwd=cwd,
-            )
-        except OSError as error:
-            where = f" in its [command] cwd {cwd}" if cwd is not None and error.filename == cwd else ""
-            # The error's own line last, shaped as Python prints it: what the attempt is summed
-            # up by (Outcome.summary), naming the missing program or folder.
-            log.write(f"oomguard: cannot start {command[0]}{where}: {error.strerror}\n{type(error).__name__}: {error}\n".encode())
-            write_json_atomic(attempt_dir / EXIT_STATUS, {"returncode": 127, "ended_at": time.time(), "error": str(error)})
-            return 127
-        status: dict[str, Any] = {}
-        returncode = _wait(child, attempt_dir, ours, log, status)
-        left_over = processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
-        oom_kills = kernel_oom.kills_between(oom_kills_before, kernel_oom.kills())
-        if left_over:
-            _say(log, f"ended {len(left_over)} process(es) of the attempt left running after the command exited")
-    _collect_orphans()
+    return received
+
+
+def _start(command: list[str], cwd: str | None, environment: dict[str, str], attempt_dir: Path, log: IO[bytes]) -> subprocess.Popen[bytes] | None:
+    """The command, started with its output going to the log; None when it cannot start (said
+    in the log, and recorded in exit.json with return code 127)."""
+    try:
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment, preexec_fn=kernel_oom.prefer_me,
+            cwd=cwd,
+        )
+    except OSError as error:
+        where = f" in its [command] cwd {cwd}" if cwd is not None and error.filename == cwd else ""
+        # The error's own line last, shaped as Python prints it: what the attempt is summed
+        # up by (Outcome.summary), naming the missing program or folder.
+        log.write(f"oomguard: cannot start {command[0]}{where}: {error.strerror}\n{type(error).__name__}: {error}\n".encode())
+        write_json_atomic(attempt_dir / EXIT_STATUS, {"returncode": 127, "ended_at": time.time(), "error": str(error)})
+        return None
+
+
+def _record_exit(
+    attempt_dir: Path, returncode: int, received: list[str], torn_down_at: float | None, left_over: int, oom_kills: int | None,
+) -> None:
+    """exit.json: how the command ended, for the daemon (now, or after a restart)."""
     marks = oomguard_ranks.recorded(str(attempt_dir))
     write_json_atomic(
         attempt_dir / EXIT_STATUS,
@@ -166,13 +189,12 @@ def main(argv: list[str] | None = None) -> int:
             "signals": received,
             # The first process that recorded its failure: the attempt's cause when several did.
             "failed_process": marks[0] if marks else None,
-            "torn_down_at": status.get("torn_down_at"),
-            "left_over": len(left_over),
+            "torn_down_at": torn_down_at,
+            "left_over": left_over,
             # The kernel's OOM kills while the attempt ran (machine-wide; None: not known).
             "oom_kills": oom_kills,
         },
     )
-    return 0
 
 
 def _wait(child: subprocess.Popen[bytes], attempt_dir: Path, ours: Any, log: IO[bytes], status: dict[str, Any]) -> int:

@@ -1,9 +1,9 @@
-"""The daemon's state in SQLite (through sqlite-utils): jobs, attempts and events.
+"""The daemon's state in SQLite (through sqlite-utils): jobs, attempts, events, requests from
+users and GPU samples. Read methods return typed rows (daemon/store_rows.py).
 
 Nothing important lives only in memory: a restarted daemon reads everything back from here.
 WAL lets the CLI read while the daemon writes; a busy timeout makes writers wait their turn.
-The schema version is SQLite's user_version; MIGRATIONS[i] takes the schema from version i
-to i + 1, so an old database is brought up to date when it is opened.
+Opening it for writing brings its schema up to date (daemon/store_schema.py).
 """
 
 from __future__ import annotations
@@ -18,22 +18,18 @@ from typing import Any, Literal
 
 import sqlite_utils
 
+from oomguard.daemon.store_schema import migrate
+from oomguard.daemon.store_rows import AttemptRow, EventRow, GpuSampleRow, JobRow, NewestAttempt, RequestRow
+from oomguard.strategies.errors import AmbiguousJobName, JobNotFound
+
 JobState = Literal["queued", "running", "finished", "failed", "cancelled"]
 TERMINAL_STATES: tuple[JobState, ...] = ("finished", "failed", "cancelled")
 
 
-class JobNotFound(LookupError):
-    """No job has that id or name."""
-
-
-def owns(job: dict[str, Any], uid: int, user: str | None) -> bool:
+def owns(job: JobRow, uid: int, user: str | None) -> bool:
     """Whether the user ``uid`` (named ``user``) owns ``job``: by its owner's uid, or, for a job
     recorded before owner_uid was kept (None), by its owner's name."""
-    return job["owner_uid"] == uid or (job["owner_uid"] is None and user is not None and job["owner"] == user)
-
-
-class AmbiguousJobName(LookupError):
-    """A name that several jobs have, none of them the asker's or several of them; str() lists the ids."""
+    return job.owner_uid == uid or (job.owner_uid is None and user is not None and job.owner == user)
 
 
 def _listed(items: Iterator[str], most: int = 10) -> str:
@@ -41,92 +37,6 @@ def _listed(items: Iterator[str], most: int = 10) -> str:
     items = list(items)
     more = f" and {len(items) - most} more (`oomguard status --all` lists them)" if len(items) > most else ""
     return ", ".join(items[:most]) + more
-
-
-def _create_tables(db: sqlite_utils.Database) -> None:
-    db["jobs"].create(
-        {
-            "id": int,
-            "name": str,
-            "owner": str,
-            "spec": str,  # JobSpec.to_dict() as JSON
-            "state": str,
-            "priority": int,
-            "submitted_at": float,
-            "started_at": float,
-            "ended_at": float,
-            "workdir": str,
-            "plan": str,  # the Plan the next (or current) attempt runs under, as JSON
-            "next_rung": str,  # rung and reason that produced `plan`, recorded on the next attempt
-            "next_reason": str,
-            "cancel_requested": int,
-            "result": str,  # why it ended: one line
-            "report": str,  # the doctor's report when it failed
-            "spool_file": str,
-            "emulate_device_memory": str,
-        },
-        pk="id",
-        not_null={"name", "owner", "spec", "state", "submitted_at", "workdir", "plan"},
-        defaults={"priority": 0, "cancel_requested": 0},
-    )
-    db["jobs"].create_index(["state", "priority", "id"])
-    db["jobs"].create_index(["spool_file"], unique=True)
-    db["attempts"].create(
-        {
-            "id": int,
-            "job_id": int,
-            "number": int,
-            "plan": str,
-            "rung": str,
-            "reason": str,
-            "directory": str,
-            "pid": int,
-            "started_at": float,
-            "ended_at": float,
-            "outcome_kind": str,
-            "outcome": str,  # Outcome.to_dict() as JSON
-            "exit_code": int,
-            "resumed_from": int,
-            "term_sent_at": float,
-        },
-        pk="id",
-        foreign_keys=[("job_id", "jobs", "id")],
-        not_null={"job_id", "number", "plan", "directory", "started_at"},
-    )
-    db["attempts"].create_index(["job_id", "number"], unique=True)
-    db["events"].create(
-        {"id": int, "job_id": int, "at": float, "kind": str, "message": str},
-        pk="id",
-        foreign_keys=[("job_id", "jobs", "id")],
-    )
-    db["events"].create_index(["job_id", "id"])
-
-
-def _add_recoveries_reported(db: sqlite_utils.Database) -> None:
-    # How many of the rungs a runner took itself are events already (they are reported while
-    # the attempt runs, from its heartbeat, and must not be reported again when it ends).
-    db["attempts"].add_column("recoveries_reported", int, not_null_default=0)
-
-
-def _add_lab_box(db: sqlite_utils.Database) -> None:
-    # Users, GPUs, waiting, the shim, stall detection, requests from users, GPU samples.
-    db["jobs"].add_column("owner_uid", int)
-    db["jobs"].add_column("waiting", str)  # why a queued job is not running now (shown in status)
-    db["jobs"].add_column("wait_free_bytes", int)  # contention: free memory to wait for per GPU
-    db["jobs"].add_column("waiting_since", float)  # when the current wait began
-    db["attempts"].add_column("gpus", str)  # "0,1": the GPUs it was placed on
-    db["attempts"].add_column("pid_started", int)  # the shim's start time (processes.start_ticks)
-    db["attempts"].add_column("stalled_at", float)
-    db["requests"].create(
-        {"id": int, "file": str, "requester": str, "action": str, "job_key": str, "job_id": int, "accepted": int, "answer": str, "at": float},
-        pk="id",
-    )
-    db["requests"].create_index(["file"], unique=True)
-    db["gpu_samples"].create({"id": int, "at": float, "gpu": int, "name": str, "total": int, "used": int, "processes": str}, pk="id")
-    db["gpu_samples"].create_index(["gpu", "at"])
-
-
-MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [_create_tables, _add_recoveries_reported, _add_lab_box]
 
 
 class Store:
@@ -147,35 +57,10 @@ class Store:
         self.db = sqlite_utils.Database(path)
         self.db.execute("PRAGMA busy_timeout = 10000")
         self.db.enable_wal()
-        self._migrate()
+        migrate(self.db)
 
     def close(self) -> None:
         self.db.close()
-
-    def _migrate(self) -> None:
-        if self._schema_version() == len(MIGRATIONS):
-            return
-        # BEGIN IMMEDIATE takes the write lock first (waiting up to the busy timeout): a
-        # deferred transaction that read the version and then wrote could not be upgraded
-        # while the daemon writes, and would fail at once with "database is locked".
-        self.db.conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = self._schema_version()
-            if version > len(MIGRATIONS):
-                raise RuntimeError(
-                    f"the database has schema version {version}, newer than this oomguard knows "
-                    f"({len(MIGRATIONS)}); upgrade oomguard"
-                )
-            for migration in MIGRATIONS[version:]:
-                migration(self.db)
-            self.db.conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
-        except BaseException:
-            self.db.conn.rollback()
-            raise
-        self.db.conn.commit()
-
-    def _schema_version(self) -> int:
-        return int(self.db.execute("PRAGMA user_version").fetchone()[0])
 
     @contextmanager
     def atomic(self) -> Iterator[None]:
@@ -184,7 +69,7 @@ class Store:
 
     # Jobs -----------------------------------------------------------------------------------
 
-    def add_job(self, *, name: str, owner: str, owner_uid: int | None = None, spec: dict[str, Any], priority: int, workdir: str | None, plan: dict[str, Any], spool_file: str | None, emulate_device_memory: str | None, jobs_root: Path) -> int:
+    def add_job(self, *, name: str, owner: str, owner_uid: int | None = None, spec: dict[str, Any], priority: int, workdir: str | None, plan: dict[str, Any], spool_file: str | None, jobs_root: Path) -> int:
         """Record a queued job; its workdir defaults to jobs_root/<id>."""
         with self.db.atomic():
             table = self.db["jobs"]
@@ -200,7 +85,6 @@ class Store:
                     "workdir": workdir or "",
                     "plan": json.dumps(plan),
                     "spool_file": spool_file,
-                    "emulate_device_memory": emulate_device_memory,
                 }
             )
             job_id = table.last_pk
@@ -208,7 +92,7 @@ class Store:
                 table.update(job_id, {"workdir": str(jobs_root / str(job_id))})
         return int(job_id)
 
-    def job(self, key: int | str) -> dict[str, Any]:
+    def job(self, key: int | str) -> JobRow:
         """A job by id, or by name (the newest job of that name)."""
         text = str(key)
         if text.isdigit():
@@ -217,9 +101,9 @@ class Store:
             rows = list(self.db.query("select * from jobs where name = ? order by id desc limit 1", [text]))
         if not rows:
             raise JobNotFound(f"no job {text!r}; `oomguard status` lists the jobs")
-        return rows[0]
+        return JobRow.from_stored(rows[0])
 
-    def job_for(self, key: int | str, uid: int, user: str | None = None) -> dict[str, Any]:
+    def job_for(self, key: int | str, uid: int, user: str | None = None) -> JobRow:
         """The job the user ``uid`` (named ``user``) means by ``key``: an id is that job,
         whoever's it is; a name is their own job of that name, else the one job of anyone else
         that has it. Several of their own, or several of others' and none of their own, is
@@ -230,39 +114,42 @@ class Store:
         text = str(key)
         if text.isdigit():
             return self.job(text)
-        rows = list(self.db.query("select * from jobs where name = ? order by id", [text]))
+        rows = [JobRow.from_stored(row) for row in self.db.query("select * from jobs where name = ? order by id", [text])]
         if not rows:
             raise JobNotFound(f"no job {text!r}; `oomguard status` lists the jobs")
         own = [row for row in rows if owns(row, uid, user)]
         if len(own) == 1:
             return own[0]
         if len(own) > 1:
-            listed = _listed(f"{row['id']} ({row['state']})" for row in own)
-            raise AmbiguousJobName(f"several of your jobs are named {text!r}: {listed}; name the one you mean by its id, e.g. {own[-1]['id']}")
+            listed = _listed(f"{row.id} ({row.state})" for row in own)
+            raise AmbiguousJobName(f"several of your jobs are named {text!r}: {listed}; name the one you mean by its id, e.g. {own[-1].id}")
         if len(rows) == 1:
             return rows[0]
-        listed = _listed(f"{row['id']} ({row['owner']}, {row['state']})" for row in rows)
+        listed = _listed(f"{row.id} ({row.owner}, {row.state})" for row in rows)
         raise AmbiguousJobName(
             f"you have no job named {text!r}, and several other users' jobs are named so: {listed}; name the one you mean by its id"
         )
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return list(self.db.query("select * from jobs order by id"))
+    def _jobs(self, sql: str, params: list[Any] | None = None) -> list[JobRow]:
+        return [JobRow.from_stored(row) for row in self.db.query(sql, params or [])]
 
-    def job_by_spool_file(self, spool_file: str) -> dict[str, Any] | None:
-        rows = list(self.db.query("select * from jobs where spool_file = ?", [spool_file]))
+    def jobs(self) -> list[JobRow]:
+        return self._jobs("select * from jobs order by id")
+
+    def job_by_spool_file(self, spool_file: str) -> JobRow | None:
+        rows = self._jobs("select * from jobs where spool_file = ?", [spool_file])
         return rows[0] if rows else None
 
-    def queued_jobs(self) -> list[dict[str, Any]]:
+    def queued_jobs(self) -> list[JobRow]:
         """Jobs waiting to run: highest priority first, then first come first served."""
-        return list(self.db.query("select * from jobs where state = 'queued' order by priority desc, id"))
+        return self._jobs("select * from jobs where state = 'queued' order by priority desc, id")
 
-    def running_jobs(self) -> list[dict[str, Any]]:
-        return list(self.db.query("select * from jobs where state = 'running' order by id"))
+    def running_jobs(self) -> list[JobRow]:
+        return self._jobs("select * from jobs where state = 'running' order by id")
 
-    def jobs_to_cancel(self) -> list[dict[str, Any]]:
+    def jobs_to_cancel(self) -> list[JobRow]:
         """Jobs whose cancel was requested that have not ended yet."""
-        return list(self.db.query("select * from jobs where cancel_requested = 1 and state in ('queued', 'running')"))
+        return self._jobs("select * from jobs where cancel_requested = 1 and state in ('queued', 'running')")
 
     def update_job(self, job_id: int, **fields: Any) -> None:
         self.db["jobs"].update(job_id, fields)
@@ -287,19 +174,19 @@ class Store:
         table.insert(fields)
         return int(table.last_pk)
 
-    def attempt(self, attempt_id: int) -> dict[str, Any]:
-        return dict(self.db["attempts"].get(attempt_id))
+    def attempt(self, attempt_id: int) -> AttemptRow:
+        return AttemptRow.from_stored(self.db["attempts"].get(attempt_id))
 
     def update_attempt(self, attempt_id: int, **fields: Any) -> None:
         self.db["attempts"].update(attempt_id, fields)
 
-    def attempts(self, job_id: int) -> list[dict[str, Any]]:
-        return list(self.db.query("select * from attempts where job_id = ? order by number", [job_id]))
+    def attempts(self, job_id: int) -> list[AttemptRow]:
+        return [AttemptRow.from_stored(row) for row in self.db.query("select * from attempts where job_id = ? order by number", [job_id])]
 
-    def newest_attempts(self, job_ids: list[int]) -> dict[int, dict[str, Any]]:
-        """Each job's newest attempt, with ``count``: how many attempts it has (jobs without
-        one are left out). One query per 500 jobs rather than one per job."""
-        newest: dict[int, dict[str, Any]] = {}
+    def newest_attempts(self, job_ids: list[int]) -> dict[int, NewestAttempt]:
+        """Each job's newest attempt and how many attempts it has (jobs without one are left
+        out). One query per 500 jobs rather than one per job."""
+        newest: dict[int, NewestAttempt] = {}
         for start in range(0, len(job_ids), 500):
             chunk = job_ids[start:start + 500]
             # SQLite takes the other columns from the row holding max(number).
@@ -307,16 +194,20 @@ class Store:
                 f"select *, max(number) as newest, count(*) as count from attempts where job_id in ({', '.join('?' * len(chunk))}) group by job_id",
                 chunk,
             )
-            newest.update((row["job_id"], row) for row in rows)
+            newest.update((row["job_id"], NewestAttempt(AttemptRow.from_stored(row), row["count"])) for row in rows)
         return newest
 
-    def running_attempts(self) -> list[dict[str, Any]]:
-        return list(self.db.query("select * from attempts where ended_at is null order by id"))
+    def running_attempts(self) -> list[AttemptRow]:
+        return [AttemptRow.from_stored(row) for row in self.db.query("select * from attempts where ended_at is null order by id")]
 
     # Events ---------------------------------------------------------------------------------
 
-    def add_event(self, job_id: int, kind: str, message: str) -> None:
-        self.db["events"].insert({"job_id": job_id, "at": self._now(), "kind": kind, "message": message})
+    def add_event(self, job_id: int, kind: str, message: str, *, code: str | None = None, data: dict[str, Any] | None = None) -> None:
+        """``code``: the kind's specific cause (the kind itself when it has one cause);
+        ``data``: the event's figures, stored as JSON."""
+        self.db["events"].insert(
+            {"job_id": job_id, "at": self._now(), "kind": kind, "message": message, "code": code or kind, "data": json.dumps(data or {})}
+        )
 
     def last_event_id(self) -> int:
         """The newest event's id (0: none yet): whether anything happened since it was read."""
@@ -325,10 +216,12 @@ class Store:
     def has_event_since(self, job_id: int, kind: str, since: float) -> bool:
         return self.db.execute("select 1 from events where job_id = ? and kind = ? and at >= ? limit 1", [job_id, kind, since]).fetchone() is not None
 
-    def events(self, job_id: int | None = None, after_id: int = 0) -> list[dict[str, Any]]:
+    def events(self, job_id: int | None = None, after_id: int = 0) -> list[EventRow]:
         if job_id is None:
-            return list(self.db.query("select * from events where id > ? order by id", [after_id]))
-        return list(self.db.query("select * from events where job_id = ? and id > ? order by id", [job_id, after_id]))
+            rows = self.db.query("select * from events where id > ? order by id", [after_id])
+        else:
+            rows = self.db.query("select * from events where job_id = ? and id > ? order by id", [job_id, after_id])
+        return [EventRow.from_stored(row) for row in rows]
 
     # Requests from users (through the spool) ---------------------------------------------------
 
@@ -337,9 +230,9 @@ class Store:
         table.insert({**fields, "at": self._now()})
         return int(table.last_pk)
 
-    def request_by_file(self, file: str) -> dict[str, Any] | None:
+    def request_by_file(self, file: str) -> RequestRow | None:
         rows = list(self.db.query("select * from requests where file = ?", [file]))
-        return rows[0] if rows else None
+        return RequestRow.from_stored(rows[0]) if rows else None
 
     # GPU samples ----------------------------------------------------------------------------
 
@@ -358,12 +251,13 @@ class Store:
                         [gpu, count // 2],
                     )
 
-    def gpu_samples(self, gpu: int | None = None, since: float = 0.0) -> list[dict[str, Any]]:
+    def gpu_samples(self, gpu: int | None = None, since: float = 0.0) -> list[GpuSampleRow]:
         if gpu is None:
-            return list(self.db.query("select * from gpu_samples where at >= ? order by at, gpu", [since]))
-        return list(self.db.query("select * from gpu_samples where gpu = ? and at >= ? order by at", [gpu, since]))
+            rows = self.db.query("select * from gpu_samples where at >= ? order by at, gpu", [since])
+        else:
+            rows = self.db.query("select * from gpu_samples where gpu = ? and at >= ? order by at", [gpu, since])
+        return [GpuSampleRow.from_stored(row) for row in rows]
 
-    def latest_gpu_samples(self) -> list[dict[str, Any]]:
-        return list(
-            self.db.query("select * from gpu_samples where id in (select max(id) from gpu_samples group by gpu) order by gpu")
-        )
+    def latest_gpu_samples(self) -> list[GpuSampleRow]:
+        rows = self.db.query("select * from gpu_samples where id in (select max(id) from gpu_samples group by gpu) order by gpu")
+        return [GpuSampleRow.from_stored(row) for row in rows]

@@ -14,7 +14,7 @@ Supervisor over the same Store carries on where an earlier one stopped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,9 @@ from oomguard.daemon.paths import StateDir
 from oomguard.daemon.scheduler import SLOTS_TAKEN, JobCache, Scheduler
 from oomguard.daemon.spool import DEFAULT_MAX_USER_PRIORITY, Request, Spool
 from oomguard.daemon.store import Store
+from oomguard.daemon.store_rows import JobRow
 from oomguard.daemon.users import Account
+from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies.doctor import Retry
 from oomguard.strategies.outcome import Outcome
@@ -50,7 +52,7 @@ class Supervisor:
         store: Store,
         *,
         max_parallel: int | None = 1,
-        emulate_device_memory: str | None = None,
+        device: DeviceSpec = DeviceSpec(),
         on_event: EventSink | None = None,
         spool: Spool | None = None,
         gpus: GpuMonitor | None = None,
@@ -75,11 +77,11 @@ class Supervisor:
         self.lifecycle = Lifecycle(store, self.events, self.clock, on_ended=self.jobs.forget)
         self.intake = Intake(
             state, store, self.lifecycle, self.events, self.launcher, self.secrets, spool=spool,
-            emulate_device_memory=emulate_device_memory, max_user_priority=max_user_priority, admin_group=admin_group,
+            max_user_priority=max_user_priority, admin_group=admin_group,
         )
         self.attempts = Attempts(
             store, self.clock, self.launcher, self.lifecycle, self.events, self.secrets, self.jobs,
-            gpus=gpus, stall_seconds=stall_seconds, after=self._after,
+            gpus=gpus, stall_seconds=stall_seconds, after=self._after, device=device,
         )
         self.scheduler = Scheduler(
             store, self.clock, self.launcher, self.lifecycle, self.events, self.jobs, gpus=gpus, max_parallel=max_parallel,
@@ -88,9 +90,12 @@ class Supervisor:
         hide_stored_secrets(store, self.secrets)
         self.attempts.adopt()
 
-    def event(self, job: dict[str, Any], kind: str, message: str, *, next_step: str | None = None, report: str | None = None) -> None:
+    def event(
+        self, job: JobRow, kind: str, message: str, *, code: str, data: Mapping[str, Any] | None = None,
+        next_step: str | None = None, report: str | None = None,
+    ) -> None:
         """Record, print and (with ``next_step``) notify what happened to a job (daemon/events.py)."""
-        self.events.event(job, kind, message, next_step=next_step, report=report)
+        self.events.event(job, kind, message, code=code, data=data, next_step=next_step, report=report)
 
     def add_job(self, spec: JobSpec, owner: Account, spool_file: str | None = None, workdir: str | None = None) -> int:
         """Record a job, queued (daemon/intake.py); its id."""
@@ -130,29 +135,31 @@ class Supervisor:
                 return ticks
         raise RuntimeError(f"the supervisor did not settle within {max_ticks} ticks")
 
-    def _after(self, job: dict[str, Any], outcome: Outcome) -> None:
+    def _after(self, job: JobRow, outcome: Outcome) -> None:
         """What the job does after an attempt ended; a retry after a pause waits in the scheduler."""
         decision = self.lifecycle.after_attempt(job, outcome, self.jobs.spec(job), stopping=self.stopping)
         if isinstance(decision, Retry) and decision.after_seconds > 0:
-            self.scheduler.not_before[job["id"]] = self.clock.monotonic() + decision.after_seconds
+            self.scheduler.not_before[job.id] = self.clock.monotonic() + decision.after_seconds
 
     # Cancelling and stopping ----------------------------------------------------------------
 
     def _handle_cancellations(self) -> None:
         for job in self.store.jobs_to_cancel():
-            if job["state"] == State.QUEUED.value:
-                self.lifecycle.end(job, State.CANCELLED, "cancelled before its next attempt started")
+            if job.state == State.QUEUED.value:
+                self.lifecycle.end(job, State.CANCELLED, "cancelled before its next attempt started", code="cancelled_queued")
                 continue
             for attempt in self.store.running_attempts():
-                if attempt["job_id"] == job["id"] and not attempt["term_sent_at"]:
+                if attempt.job_id == job.id and not attempt.term_sent_at:
                     self.attempts.request_stop(attempt)
-                    self.event(job, "cancelling", f"asked attempt {attempt['number']} to checkpoint and stop")
+                    self.event(
+                        job, "cancelling", f"asked attempt {attempt.number} to checkpoint and stop", code="cancelling", data={"attempt": attempt.number},
+                    )
 
     def stop_all(self) -> None:
         """Ask every running attempt to checkpoint and stop; their jobs go back to the queue."""
         self.stopping = True
         for attempt in self.store.running_attempts():
-            if not attempt["term_sent_at"]:
+            if not attempt.term_sent_at:
                 self.attempts.request_stop(attempt)
 
     def leave_all(self) -> None:
@@ -169,4 +176,4 @@ class Supervisor:
         return self.stopping and (self.leaving or not self.active())
 
     def job_done(self, job_id: int) -> bool:
-        return State(self.store.job(job_id)["state"]) in ENDED
+        return State(self.store.job(job_id).state) in ENDED

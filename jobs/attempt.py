@@ -1,7 +1,7 @@
 """The files of one attempt directory, shared by the daemon (writer of attempt.json) and the
 runner (writer of the rest). No torch here: the daemon imports it.
 
-    attempt.json    what to run: the job, the plan, the workdir, the emulated memory cap
+    attempt.json    what to run: the job, the plan, the workdir, the device (jobs/device.py)
     outcome.json    how it ended (strategies.outcome.Outcome)
     heartbeat.json  the latest step, loss, samples/s and memory, rewritten about once a second
     metrics.jsonl   one line per optimizer step
@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies.outcome import Phase
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.errors import UnsafeFolder
 
 CONFIG = "attempt.json"
 OUTCOME = "outcome.json"
@@ -37,8 +39,9 @@ class AttemptConfig:
     plan: Plan
     number: int
     workdir: Path
-    # A CapSchedule's text (e.g. "48MiB" or "64MiB,40MiB@15"), or None for the real device.
-    emulate_device_memory: str | None = None
+    # The device it trains on: the real one, or an emulated capacity (decided by the daemon
+    # when it starts the attempt).
+    device: DeviceSpec = DeviceSpec()
     # Measure before training (the job's first attempt, when its ladder.probe is on).
     probe: bool = False
     # Take the rungs that need no restart inside the process after an OOM in forward or
@@ -51,7 +54,7 @@ class AttemptConfig:
             "plan": self.plan.to_dict(),
             "number": self.number,
             "workdir": str(self.workdir),
-            "emulate_device_memory": self.emulate_device_memory,
+            "device": self.device.to_dict(),
             "probe": self.probe,
             "recover_in_process": self.recover_in_process,
         }
@@ -59,11 +62,11 @@ class AttemptConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AttemptConfig:
         return cls(
-            job=JobSpec.from_dict(data["job"]),
+            job=JobSpec.load(data["job"]),
             plan=Plan.from_dict(data["plan"]),
             number=int(data["number"]),
             workdir=Path(data["workdir"]),
-            emulate_device_memory=data.get("emulate_device_memory"),
+            device=_device_of(data),
             probe=bool(data.get("probe", False)),
             recover_in_process=bool(data.get("recover_in_process", True)),
         )
@@ -75,6 +78,14 @@ class AttemptConfig:
     @classmethod
     def read(cls, attempt_dir: Path) -> AttemptConfig:
         return cls.from_dict(json.loads((attempt_dir / CONFIG).read_text()))
+
+
+def _device_of(data: dict[str, Any]) -> DeviceSpec:
+    # An attempt.json written before "device" existed held the CapSchedule text in
+    # "emulate_device_memory": attempts started before an upgrade are adopted and resumed.
+    if "device" in data:
+        return DeviceSpec.from_dict(data["device"])
+    return DeviceSpec.from_option(data.get("emulate_device_memory"))
 
 
 def write_json_atomic(path: Path, data: Any, mode: int | None = None) -> None:
@@ -137,10 +148,6 @@ def _json_of(handle: BinaryIO) -> Any | None:
 
 _FOLDER_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_LINKS = 40
-
-
-class UnsafeFolder(OSError):
-    """A folder could not be opened without following a link its users could have made, or is not its owner's."""
 
 
 def open_folder(path: Path, owner_uid: int | None = None) -> int:

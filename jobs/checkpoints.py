@@ -8,6 +8,7 @@ skipped any damaged one.
 """
 
 from __future__ import annotations
+from oomguard.strategies.errors import CheckpointError
 
 import hashlib
 import json
@@ -22,10 +23,6 @@ from typing import Any
 
 MANIFEST = "manifest.json"
 PREFIX = "step-"
-
-
-class CheckpointError(Exception):
-    """A checkpoint directory is missing files or its files do not match its manifest."""
 
 
 @dataclass(frozen=True)

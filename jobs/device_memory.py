@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
-from .sizes import format_size
+from oomguard.strategies.units import format_torch_size
 
 __all__ = [
     "EmulatedDevice",
@@ -70,12 +70,12 @@ def cuda_oom_message(
     The double spaces are PyTorch's.
     """
     return (
-        f"CUDA out of memory. Tried to allocate {format_size(requested)}. "
-        f"GPU {device_index} has a total capacity of {format_size(total)} "
-        f"of which {format_size(free)} is free. "
-        f"Including non-PyTorch memory, this process has {format_size(reserved)} memory in use. "
-        f"Of the allocated memory {format_size(allocated)} is allocated by PyTorch, "
-        f"and {format_size(reserved - allocated)} is reserved by PyTorch but unallocated."
+        f"CUDA out of memory. Tried to allocate {format_torch_size(requested)}. "
+        f"GPU {device_index} has a total capacity of {format_torch_size(total)} "
+        f"of which {format_torch_size(free)} is free. "
+        f"Including non-PyTorch memory, this process has {format_torch_size(reserved)} memory in use. "
+        f"Of the allocated memory {format_torch_size(allocated)} is allocated by PyTorch, "
+        f"and {format_torch_size(reserved - allocated)} is reserved by PyTorch but unallocated."
         " If reserved but unallocated memory is large try setting"
         " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid"
         " fragmentation.  See documentation for Memory Management "
@@ -432,7 +432,7 @@ def limit_cuda_memory(capacity: int, device_index: int = 0) -> None:
     total = torch.cuda.get_device_properties(device_index).total_memory
     if capacity > total:
         raise ValueError(
-            f"cannot limit GPU {device_index} to {format_size(capacity)}: "
-            f"it has only {format_size(total)}"
+            f"cannot limit GPU {device_index} to {format_torch_size(capacity)}: "
+            f"it has only {format_torch_size(total)}"
         )
     torch.cuda.set_per_process_memory_fraction(capacity / total, device_index)

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from oomguard.jobs.attempt import read_json, write_json_atomic
-from oomguard.jobs.sizes import CapSchedule, format_size, parse_size
+from oomguard.jobs.sizes import CapSchedule
+from oomguard.strategies.units import format_torch_size, parse_size
 
 EMULATED_GPUS_ENV = "OOMGUARD_EMULATED_GPUS"
 _SPEC = re.compile(r"^\s*(\d+)\s*x\s*(\S+)\s*$")
@@ -38,7 +39,7 @@ class EmulatedGpu:
 
     @property
     def name(self) -> str:
-        return f"emulated {format_size(self.total)}"
+        return f"emulated {format_torch_size(self.total)}"
 
 
 @dataclass(frozen=True)

@@ -6,36 +6,45 @@ damaged checkpoint file, a full disk): this one happens inside the training step
 process trains under reduced precision (the plan's mixed_precision is not "no"), one weight
 becomes NaN, as when half precision overflows and the optimizer writes inf back: the next
 step's loss is NaN, and a checkpoint written at that step holds NaN weights.
+
+The runner (jobs/run.py) asks ``injected_fault()`` once at start and, only when the variable
+is set, hands the fault to the training loop as its after-step hook: the hook runs after the
+step is counted and before it is reported or checkpointed.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 INJECT_FAULT_ENV = "OOMGUARD_INJECT_FAULT"
 NAN_UNDER_REDUCED_PRECISION = "nan_under_reduced_precision"
 
-_steps_under_reduced_precision = [0]
+
+@dataclass
+class NanUnderReducedPrecision:
+    """Turns a weight into NaN after the ``at``-th step this process trains under reduced precision."""
+
+    at: int
+    steps_under_reduced_precision: int = 0
+
+    def __call__(self, training: Any, step: int) -> None:
+        if training.plan.mixed_precision == "no":
+            return
+        self.steps_under_reduced_precision += 1
+        if self.steps_under_reduced_precision == self.at:
+            import torch
+
+            print(f"oomguard fault injection: NaN weights after step {step} under {training.plan.mixed_precision}", flush=True)
+            with torch.no_grad():
+                next(iter(training.model.parameters())).fill_(float("nan"))
 
 
-def _injected() -> tuple[str, int] | None:
-    text = os.environ.get(INJECT_FAULT_ENV, "")
-    name, _, at = text.partition("@")
+def injected_fault(env: Mapping[str, str] = os.environ) -> NanUnderReducedPrecision | None:
+    """The fault $OOMGUARD_INJECT_FAULT asks for, as an after-step hook; None when it asks for none."""
+    name, _, at = env.get(INJECT_FAULT_ENV, "").partition("@")
     if name != NAN_UNDER_REDUCED_PRECISION or not at.isdigit():
         return None
-    return name, int(at)
-
-
-def after_step(training: Any, step: int) -> None:
-    """Called by the runner after each optimizer step."""
-    fault = _injected()
-    if fault is None or training.plan.mixed_precision == "no":
-        return
-    _steps_under_reduced_precision[0] += 1
-    if _steps_under_reduced_precision[0] == fault[1]:
-        print(f"oomguard fault injection: NaN weights after step {step} under {training.plan.mixed_precision}", flush=True)
-        with torch.no_grad():
-            next(iter(training.model.parameters())).fill_(float("nan"))
+    return NanUnderReducedPrecision(int(at))

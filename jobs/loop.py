@@ -1,6 +1,11 @@
 """The training loop every built-in trainer runs under: resume, train under the attempt's Plan,
 recover from an OOM in forward or backward inside the process, checkpoint, report, and turn
 each way of ending into an Outcome.
+
+``train`` runs the steps of an ``AttemptRun`` in order: ``start`` (probe, then build fresh or
+resume from the newest usable checkpoint), ``run_steps`` (each step, with in-process recovery
+from an OOM, reporting and periodic checkpoints), ``finish`` (the final model); ``ended`` gives
+whichever Outcome ended it what the attempt learnt (plans, measurements, rungs taken).
 """
 
 from __future__ import annotations
@@ -8,33 +13,38 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from oomguard.jobs import checkpoints, faults, train_state
+from oomguard.jobs import checkpoints, train_state
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, Control, write_json_atomic
 from oomguard.jobs.emulated_gpus import AssignedGpu
-from oomguard.jobs.memory_cap import DeviceMemory
+from oomguard.jobs.memory_cap import DeviceMemory, open_device_memory
 from oomguard.jobs.probe import run_probe
-from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
-from oomguard.jobs.trainers.unconditional import make_trainer
-from oomguard.jobs.training import Training, build_training, free, one_step, oom_measurement, unfit_to_continue
+from oomguard.jobs.trainers import make_trainer
+from oomguard.jobs.trainers.base import Trainer
+from oomguard.jobs.training import StepResult, Training, build_training, free, one_step, oom_measurement, unfit_to_continue
 from oomguard.strategies.contention import find_contention
 from oomguard.strategies.doctor import decide_in_process, describe_oom
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.units import format_mib
 
 # In-process rung changes per attempt, at most (each one excludes a plan, so the ladder ends
 # well before; this bounds it regardless).
 MAX_RECOVERIES = 32
+
+# Called after each optimizer step with the Training and the step count, before the step is
+# reported or checkpointed (jobs/run.py hooks in jobs/faults.py this way).
+StepHook = Callable[[Training, int], None]
 
 
 @dataclass
@@ -56,175 +66,262 @@ class PlanRecord:
     static: dict[str, int] = field(default_factory=dict)
 
 
-def train(config: AttemptConfig, attempt_dir: Path, control: Control) -> Outcome:
+def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step: StepHook | None = None) -> Outcome:
     """Run the attempt to its end and say how it ended (an OOM is an Outcome, not an exception)."""
-    job = config.job
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    # The attempt's own setting first; the variable also covers a runner started by hand.
-    cap_text = config.emulate_device_memory or os.environ.get(EMULATE_DEVICE_MEMORY_ENV)
-    schedule = CapSchedule.parse(cap_text) if cap_text else None
-    trainer = make_trainer(job)
-    progress = Progress()
-    training: Training | None = None
-    plan = config.plan
-    measurements: list[Measurement] = []
-    records: dict[Plan, PlanRecord] = {}
-    recoveries: list[dict[str, Any]] = []
-    say = lambda text: print(text, flush=True)  # noqa: E731
-
-    memory = DeviceMemory(
-        schedule, device, lambda: training.device_tensors() if training is not None else {}, gpu=AssignedGpu.from_environment()
-    )
-
-    def ended(outcome: Outcome) -> Outcome:
-        return dataclasses.replace(
-            outcome,
-            resumed_from=progress.resumed_from,
-            plan=training.plan if training is not None else plan,
-            measurements=tuple(measurements + _steady(records)),
-            recoveries=tuple(recoveries),
-        )
-
-    def oom_outcome(error: torch.OutOfMemoryError) -> Outcome:
-        figures = memory.oom_figures(str(error))
-        current = training.plan if training is not None else plan
-        measurements.append(oom_measurement(current, figures, training, progress.step))
-        return Outcome(kind="oom", step=progress.step, phase=control.phase, memory=figures, message=str(error))
-
+    run = AttemptRun(config, attempt_dir, control, after_step)
     metrics = (attempt_dir / METRICS).open("a")
-    oom: Outcome | None = None
     try:
-        with memory:
-            checkpoints_dir = config.workdir / "checkpoints"
-            latest, weights = _newest_usable(checkpoints_dir, memory, say)
-            memory.begin_step(latest.step if latest is not None else 0)
-            if config.probe and latest is None:
-                probed = run_probe(trainer, job, plan, device, memory, control, say)
-                measurements.extend(probed.measurements)
-                if probed.plan != plan:
-                    recoveries.append({"step": 0, "from": plan.to_dict(), "to": probed.plan.to_dict(), "reason": probed.reason})
-                plan = probed.plan
-                say(probed.reason)
-                if probed.failure is not None:
-                    return ended(probed.failure)
-            control.phase = "setup"
-            if latest is None:
-                training = build_training(trainer, job, plan, device, memory)
-                say("no checkpoint: starting at step 0")
-            else:
-                training = build_training(trainer, job, plan, device, memory, weights)
-                del weights
-                with memory.paused():
-                    train_state.load_rest(
-                        latest.path, optimizer=training.optimizer, lr_scheduler=training.lr_scheduler, scaler=training.scaler, plan=plan, say=say
-                    )
-                memory.track(training.device_tensors()["optimizer_state"])
-                progress.step = progress.last_checkpoint = progress.resumed_from = latest.step
-                say(f"resumed from checkpoint at step {latest.step} ({latest.path.name})")
-
-            def save_checkpoint() -> None:
-                assert training is not None
-                control.phase = "checkpoint"
-                current = training
-
-                def write_state(directory: Path) -> None:
-                    train_state.save(
-                        directory,
-                        weights=current.weights(),
-                        optimizer=current.optimizer,
-                        lr_scheduler=current.lr_scheduler,
-                        scaler=current.scaler,
-                        plan=current.plan,
-                        step=progress.step,
-                        job_name=job.name,
-                    )
-
-                with memory.paused():
-                    saved = checkpoints.save(checkpoints_dir, progress.step, current.plan.to_dict(), write_state, job.train.keep_checkpoints)
-                progress.last_checkpoint = progress.step
-                say(f"checkpoint at step {progress.step} ({saved.path.name})")
-
-            last_checkpoint_time = time.monotonic()
-            steps_in_process = 0
-            while progress.step < job.train.max_steps:
-                if control.stop_requested:
-                    # Nothing to keep before the first step: the next attempt starts over.
-                    if progress.last_checkpoint != progress.step and progress.step > 0:
-                        save_checkpoint()
-                    return ended(Outcome(kind="interrupted", step=progress.step, message="stopped on request (SIGTERM) after a checkpoint"))
-                memory.begin_step(progress.step)
-                memory.reset_peak()
-                try:
-                    result = one_step(trainer, training, progress.step, memory, control)
-                except torch.OutOfMemoryError as error:
-                    # Keep only numbers and text: the traceback holds the step's tensors, and
-                    # they must be freed before anything else is allocated.
-                    oom = oom_outcome(error)
-                if oom is not None:
-                    free(training)
-                    leftover = unfit_to_continue(memory, training.resident_bytes())
-                    record = records.get(training.plan)
-                    contention = find_contention(oom.memory, max(record.peaks) if record and record.peaks else None)
-                    if contention is not None:
-                        # Not the job's doing: no rung. The daemon waits for the memory to
-                        # come back and runs the same plan from the checkpoint.
-                        say(f"out of memory in {oom.phase} at step {progress.step}: {contention.describe()}; stopping for the daemon to wait")
-                    elif leftover is not None:
-                        say(f"the failed step left {leftover / 2**20:.1f} MiB behind on the device: a new process must take over")
-                    elif oom.phase in ("data", "forward", "backward") and config.recover_in_process and len(recoveries) < MAX_RECOVERIES:
-                        recovery = decide_in_process(training.plan, measurements + _steady(records), job.policy(), oom.memory.total if oom.memory else None)
-                        if recovery is not None:
-                            # Nothing of the step was applied: run the same step again.
-                            recoveries.append({
-                                "step": progress.step, "from": training.plan.to_dict(), "to": recovery.plan.to_dict(), "reason": recovery.reason,
-                                "oom": describe_oom(oom),
-                            })
-                            say(f"out of memory in {oom.phase} at step {progress.step}; {recovery.reason}")
-                            training.apply(recovery.plan)
-                            oom = None
-                            continue
-                    # The state is consistent unless the OOM hit inside optimizer.step, where
-                    # parameters may be half updated: then the last checkpoint stands.
-                    if oom.phase != "optimizer" and progress.last_checkpoint != progress.step and progress.step > 0:
-                        save_checkpoint()
-                    return ended(oom)
-                if not math.isfinite(result.loss):
-                    return ended(Outcome(kind="diverged", step=progress.step, phase="forward", message=f"loss is {result.loss} at step {progress.step}"))
-                steps_in_process += 1
-                samples_per_s = job.train.batch_size / result.seconds
-                if steps_in_process > 1:
-                    record = records.setdefault(training.plan, PlanRecord())
-                    record.peaks.append(memory.peak_bytes() or 0)
-                    record.rates.append(samples_per_s)
-                    record.capacity = memory.capacity()
-                    record.static = training.static_bytes()
-                progress.step += 1
-                faults.after_step(training, progress.step)
-                memory.publish()
-                _report(attempt_dir, metrics, progress, job.train.max_steps, result.loss, samples_per_s, memory, training.plan.short(), recoveries)
-                due_by_steps = progress.step % job.train.checkpoint_every_steps == 0
-                every_seconds = job.train.checkpoint_every_seconds
-                due_by_time = every_seconds is not None and time.monotonic() - last_checkpoint_time >= every_seconds
-                if (due_by_steps or due_by_time) and progress.step < job.train.max_steps:
-                    save_checkpoint()
-                    last_checkpoint_time = time.monotonic()
-
-            control.phase = "checkpoint"
-            with memory.paused():
-                _save_final(trainer, training.final_model(), config.workdir / "final")
-            say(f"finished: {progress.step} steps; final model in {config.workdir / 'final'}")
-            return ended(Outcome(kind="finished", step=progress.step))
+        with run.memory:
+            outcome = run.start()
+            if outcome is None:
+                outcome = run.run_steps(metrics)
+            if outcome is None:
+                outcome = run.finish()
+            return run.ended(outcome)
     except torch.OutOfMemoryError as error:
         # Out of memory outside a training step: the model or a loaded checkpoint does not fit
         # (phase "setup"). Still an OOM for the doctor, not a crash to retry unchanged.
-        oom = oom_outcome(error)
-        return ended(oom)
+        oom = run.oom_outcome(error)
+        return run.ended(oom)
     finally:
-        memory.withdraw()
+        run.memory.withdraw()
         metrics.close()
 
 
-def _newest_usable(checkpoints_dir: Path, memory: DeviceMemory, say: Any) -> tuple[checkpoints.Checkpoint | None, train_state.ModelWeights | None]:
+class AttemptRun:
+    """One attempt in this process: what its steps share (trainer, device memory, progress,
+    the current Training, and what was measured and recovered so far)."""
+
+    def __init__(self, config: AttemptConfig, attempt_dir: Path, control: Control, after_step: StepHook | None = None) -> None:
+        self.config = config
+        self.job = config.job
+        self.attempt_dir = attempt_dir
+        self.control = control
+        self.after_step = after_step
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.trainer: Trainer = make_trainer(self.job)
+        self.progress = Progress()
+        self.training: Training | None = None
+        # The plan until a Training exists (the probe may change it); then training.plan.
+        self.plan = config.plan
+        self.measurements: list[Measurement] = []
+        self.records: dict[Plan, PlanRecord] = {}
+        self.recoveries: list[dict[str, Any]] = []
+        # The variable also covers a runner started by hand.
+        spec = config.device.or_environment()
+        self.memory = open_device_memory(spec, self.device, self._device_tensors, gpu=AssignedGpu.from_environment())
+        self.checkpoints_dir = config.workdir / "checkpoints"
+        self.last_checkpoint_time = 0.0
+        self.steps_in_process = 0
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+
+    def _device_tensors(self) -> dict[str, list[torch.Tensor]]:
+        return self.training.device_tensors() if self.training is not None else {}
+
+    def current_plan(self) -> Plan:
+        return self.training.plan if self.training is not None else self.plan
+
+    def ended(self, outcome: Outcome) -> Outcome:
+        """``outcome`` with what this attempt learnt: its plan, measurements and recoveries."""
+        return dataclasses.replace(
+            outcome,
+            resumed_from=self.progress.resumed_from,
+            plan=self.current_plan(),
+            measurements=tuple(self.measurements + _steady(self.records)),
+            recoveries=tuple(self.recoveries),
+        )
+
+    def oom_outcome(self, error: torch.OutOfMemoryError) -> Outcome:
+        figures = self.memory.oom_figures(str(error))
+        self.measurements.append(oom_measurement(self.current_plan(), figures, self.training, self.progress.step))
+        return Outcome(kind="oom", step=self.progress.step, phase=self.control.phase, memory=figures, message=str(error))
+
+    # -- start: probe, build, resume ---------------------------------------------------------
+
+    def start(self) -> Outcome | None:
+        """Build the training, from the newest usable checkpoint or fresh (after the probe,
+        when the attempt asks for one); the Outcome that ended the attempt already, if any."""
+        latest, weights = _newest_usable(self.checkpoints_dir, self.memory, self.say)
+        self.memory.begin_step(latest.step if latest is not None else 0)
+        if self.config.probe and latest is None:
+            failure = self._probe()
+            if failure is not None:
+                return failure
+        self.control.phase = "setup"
+        if latest is None:
+            self.training = build_training(self.trainer, self.job, self.plan, self.device, self.memory)
+            self.say("no checkpoint: starting at step 0")
+            return None
+        self.training = build_training(self.trainer, self.job, self.plan, self.device, self.memory, weights)
+        del weights
+        self._resume(latest)
+        return None
+
+    def _probe(self) -> Outcome | None:
+        probed = run_probe(self.trainer, self.job, self.plan, self.device, self.memory, self.control, self.say)
+        self.measurements.extend(probed.measurements)
+        if probed.plan != self.plan:
+            self.recoveries.append({"step": 0, "from": self.plan.to_dict(), "to": probed.plan.to_dict(), "reason": probed.reason})
+        self.plan = probed.plan
+        self.say(probed.reason)
+        return probed.failure
+
+    def _resume(self, latest: checkpoints.Checkpoint) -> None:
+        """Load the checkpoint's optimizer, scheduler, scaler and RNG states (its weights are
+        in the training already) and go on from its step."""
+        training = self.training
+        assert training is not None
+        with self.memory.paused():
+            train_state.load_rest(
+                latest.path, optimizer=training.optimizer, lr_scheduler=training.lr_scheduler, scaler=training.scaler, plan=self.plan, say=self.say
+            )
+        self.memory.track(training.device_tensors()["optimizer_state"])
+        self.progress.step = self.progress.last_checkpoint = self.progress.resumed_from = latest.step
+        self.say(f"resumed from checkpoint at step {latest.step} ({latest.path.name})")
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    def run_steps(self, metrics: IO[str]) -> Outcome | None:
+        """Train to the job's max_steps (None) or to the Outcome that ends the attempt first."""
+        self.last_checkpoint_time = time.monotonic()
+        self.steps_in_process = 0
+        while self.progress.step < self.job.train.max_steps:
+            if self.control.stop_requested:
+                # Nothing to keep before the first step: the next attempt starts over.
+                if self._has_unsaved_steps():
+                    self.save_checkpoint()
+                return Outcome(kind="interrupted", step=self.progress.step, message="stopped on request (SIGTERM) after a checkpoint")
+            result = self._step()
+            if isinstance(result, Outcome):
+                if self._recover_in_process(result):
+                    # Nothing of the step was applied: run the same step again.
+                    continue
+                return self._end_on_oom(result)
+            if not math.isfinite(result.loss):
+                return Outcome(kind="diverged", step=self.progress.step, phase="forward", message=f"loss is {result.loss} at step {self.progress.step}")
+            self._after_step(result, metrics)
+        return None
+
+    def _step(self) -> StepResult | Outcome:
+        """One optimizer step, or the Outcome of the OOM that stopped it."""
+        assert self.training is not None
+        self.memory.begin_step(self.progress.step)
+        self.memory.reset_peak()
+        try:
+            return one_step(self.trainer, self.training, self.progress.step, self.memory, self.control)
+        except torch.OutOfMemoryError as error:
+            # Keep only numbers and text: the traceback holds the step's tensors, and they
+            # must be freed (when this returns) before anything else is allocated.
+            return self.oom_outcome(error)
+
+    def _recover_in_process(self, oom: Outcome) -> bool:
+        """After an OOM in a step: free what the step held and, when this process can go on
+        and the doctor has a rung for it, take that rung here (True)."""
+        training = self.training
+        assert training is not None
+        free(training)
+        leftover = unfit_to_continue(self.memory, training.resident_bytes())
+        record = self.records.get(training.plan)
+        contention = find_contention(oom.memory, max(record.peaks) if record and record.peaks else None)
+        if contention is not None:
+            # Not the job's doing: no rung. The daemon waits for the memory to come back and
+            # runs the same plan from the checkpoint.
+            self.say(f"out of memory in {oom.phase} at step {self.progress.step}: {contention.describe()}; stopping for the daemon to wait")
+            return False
+        if leftover is not None:
+            self.say(f"the failed step left {format_mib(leftover)} behind on the device: a new process must take over")
+            return False
+        if oom.phase not in ("data", "forward", "backward") or not self.config.recover_in_process or len(self.recoveries) >= MAX_RECOVERIES:
+            return False
+        total = oom.memory.total if oom.memory else None
+        recovery = decide_in_process(training.plan, self.measurements + _steady(self.records), self.job.policy(), total)
+        if recovery is None:
+            return False
+        self.recoveries.append({
+            "step": self.progress.step, "from": training.plan.to_dict(), "to": recovery.plan.to_dict(), "reason": recovery.reason,
+            "oom": describe_oom(oom),
+        })
+        self.say(f"out of memory in {oom.phase} at step {self.progress.step}; {recovery.reason}")
+        training.apply(recovery.plan)
+        return True
+
+    def _end_on_oom(self, oom: Outcome) -> Outcome:
+        # The state is consistent unless the OOM hit inside optimizer.step, where parameters
+        # may be half updated: then the last checkpoint stands.
+        if oom.phase != "optimizer" and self._has_unsaved_steps():
+            self.save_checkpoint()
+        return oom
+
+    def _after_step(self, result: StepResult, metrics: IO[str]) -> None:
+        """Record the step's steady-state figures, count it, report it, checkpoint when due."""
+        training = self.training
+        assert training is not None
+        self.steps_in_process += 1
+        samples_per_s = self.job.train.batch_size / result.seconds
+        if self.steps_in_process > 1:
+            record = self.records.setdefault(training.plan, PlanRecord())
+            record.peaks.append(self.memory.peak_bytes() or 0)
+            record.rates.append(samples_per_s)
+            record.capacity = self.memory.capacity()
+            record.static = training.static_bytes()
+        self.progress.step += 1
+        if self.after_step is not None:
+            self.after_step(training, self.progress.step)
+        self.memory.publish()
+        _report(
+            self.attempt_dir, metrics, self.progress, self.job.train.max_steps, result.loss, samples_per_s, self.memory, training.plan.short(), self.recoveries
+        )
+        train = self.job.train
+        due_by_steps = self.progress.step % train.checkpoint_every_steps == 0
+        due_by_time = train.checkpoint_every_seconds is not None and time.monotonic() - self.last_checkpoint_time >= train.checkpoint_every_seconds
+        if (due_by_steps or due_by_time) and self.progress.step < train.max_steps:
+            self.save_checkpoint()
+            self.last_checkpoint_time = time.monotonic()
+
+    def _has_unsaved_steps(self) -> bool:
+        return self.progress.last_checkpoint != self.progress.step and self.progress.step > 0
+
+    def save_checkpoint(self) -> None:
+        training = self.training
+        assert training is not None
+        self.control.phase = "checkpoint"
+        step = self.progress.step
+
+        def write_state(directory: Path) -> None:
+            train_state.save(
+                directory,
+                weights=training.weights(),
+                optimizer=training.optimizer,
+                lr_scheduler=training.lr_scheduler,
+                scaler=training.scaler,
+                plan=training.plan,
+                step=step,
+                job_name=self.job.name,
+            )
+
+        with self.memory.paused():
+            saved = checkpoints.save(self.checkpoints_dir, step, training.plan.to_dict(), write_state, self.job.train.keep_checkpoints)
+        self.progress.last_checkpoint = step
+        self.say(f"checkpoint at step {step} ({saved.path.name})")
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def finish(self) -> Outcome:
+        """Write the final model (all steps are done)."""
+        assert self.training is not None
+        self.control.phase = "checkpoint"
+        final_dir = self.config.workdir / "final"
+        with self.memory.paused():
+            _save_final(self.trainer, self.training.final_model(), final_dir)
+        self.say(f"finished: {self.progress.step} steps; final model in {final_dir}")
+        return Outcome(kind="finished", step=self.progress.step)
+
+
+def _newest_usable(
+    checkpoints_dir: Path, memory: DeviceMemory, say: Callable[[str], None]
+) -> tuple[checkpoints.Checkpoint | None, train_state.ModelWeights | None]:
     """The newest checkpoint that verifies and whose weights are finite, with its weights: a
     run that diverged may have saved NaN weights before its loss showed it."""
     for checkpoint in checkpoints.valid_newest_first(checkpoints_dir, warn=say):
@@ -276,7 +373,7 @@ def _report(
         print(f"step {progress.step}/{max_steps} loss {loss:.5f} {samples_per_s:.1f} samples/s", flush=True)
 
 
-def _save_final(trainer: Any, model: Any, final_dir: Path) -> None:
+def _save_final(trainer: Trainer, model: torch.nn.Module, final_dir: Path) -> None:
     """Write the final model atomically: a `final/` directory is always complete."""
     temporary = final_dir.with_name(final_dir.name + ".tmp")
     shutil.rmtree(temporary, ignore_errors=True)

@@ -1,10 +1,13 @@
-"""The runner's one view of device memory, whichever way its capacity is set.
+"""The runner's one view of device memory (``DeviceMemory``), opened from the attempt's
+DeviceSpec by ``open_device_memory``. Three implementations:
 
-- No cap: the real device; peaks from torch.cuda where there is CUDA.
-- A cap on a CUDA machine: a per-process memory fraction, so the OOMs are PyTorch's own.
-- A cap without CUDA: the emulated device, which counts real tensors and raises PyTorch's OOM.
+- ``CudaMemory``: a real card; peaks from torch.cuda, and an emulated capacity becomes a
+  per-process memory fraction, so the OOMs are PyTorch's own.
+- ``EmulatedMemory``: no CUDA, but a capacity or an emulated GPU: the emulated device
+  (jobs/device_memory.py) counts real tensors and raises PyTorch's OOM at the capacity.
+- ``HostMemory``: no CUDA and nothing emulated: nothing to measure and no capacity.
 
-A cap is a CapSchedule, so it may change at given steps (another process taking memory).
+A capacity is a CapSchedule, so it may change at given steps (another process taking memory).
 On an emulated GPU (jobs/emulated_gpus.py) the capacity is the card's total less what the
 other processes on it hold, read at every step; the runner publishes what it holds itself.
 """
@@ -13,67 +16,51 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.device_memory import EmulatedDevice, limit_cuda_memory
 from oomguard.jobs.emulated_gpus import AssignedGpu, emulated_capacity
-from oomguard.jobs.sizes import CapSchedule, parse_size
+from oomguard.jobs.sizes import CapSchedule
+from oomguard.strategies.oom_figures import requested_bytes
 from oomguard.strategies.outcome import MemoryFigures
 
-_REQUESTED = re.compile(r"Tried to allocate ([\d.]+ ?[KMGT]?i?B|\d+ bytes)")
+GroupsFn = Callable[[], Mapping[str, Iterable[torch.Tensor | None]]]
 
 
-def requested_bytes(message: str) -> int | None:
-    """The failed request of a CUDA OOM message ("Tried to allocate 20.00 MiB")."""
-    match = _REQUESTED.search(message)
-    if not match:
-        return None
-    text = match.group(1).replace(" bytes", "B")
-    return parse_size(text)
+def open_device_memory(spec: DeviceSpec, device: torch.device, groups: GroupsFn | None = None, gpu: AssignedGpu | None = None) -> DeviceMemory:
+    """The device memory ``spec`` describes, on ``device``. ``groups`` names the tensors for
+    an emulated OOM's breakdown; ``gpu`` is the emulated GPU the runner was placed on, if any
+    (ignored on a CUDA machine: a real card is real)."""
+    if device.type == "cuda":
+        return CudaMemory(device, spec.emulated_capacity)
+    if spec.emulated_capacity is not None or gpu is not None:
+        return EmulatedMemory(spec.emulated_capacity, gpu, groups)
+    return HostMemory()
 
 
 class DeviceMemory:
-    def __init__(
-        self,
-        schedule: CapSchedule | None,
-        device: torch.device,
-        groups: Callable[[], Mapping[str, Iterable[torch.Tensor | None]]] | None = None,
-        gpu: AssignedGpu | None = None,
-    ) -> None:
-        self.schedule = schedule
-        self.device = device
-        self.emulated: EmulatedDevice | None = None
-        # The cap now in force on a real GPU (set_per_process_memory_fraction), if any.
-        self.limit: int | None = None
-        # An emulated GPU shared with other processes (only without CUDA: a real card is real).
-        self.gpu = gpu if device.type != "cuda" else None
+    """What the runner asks of device memory. Use as a context manager around training.
+
+    The measuring methods answer None where nothing is known; ``track``, ``move_in``,
+    ``paused``, ``publish`` and ``withdraw`` do nothing where there is nothing to count."""
+
+    def __init__(self) -> None:
         # The least the other processes on the GPU held at a step start in this process: the
         # baseline a neighbour's growth is measured from. Taken from the third step start on:
         # on a real GPU this process's own memory outside the caching allocator (the CUDA
         # context, library workspaces) appears during its first steps and would read as growth.
         self.others_before: int | None = None
         self._step_starts = 0
-        self._published: int | None = None
-        self._published_at = 0.0
-        if (schedule is not None or self.gpu is not None) and device.type != "cuda":
-            index = self.gpu.index if self.gpu is not None else 0
-            self.emulated = EmulatedDevice(capacity=self._emulated_limit(0), device_index=index, groups=groups)
 
     def __enter__(self) -> DeviceMemory:
-        if self.emulated is not None:
-            self.emulated.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self.emulated is not None:
-            self.emulated.__exit__(*exc_info)
-
-    def _emulated_limit(self, step: int) -> int | None:
-        return emulated_capacity(self.schedule, self.gpu, step)
+        return None
 
     def begin_step(self, step: int) -> None:
         """Apply the capacity for ``step`` (the schedule's, and the emulated GPU's room now)."""
@@ -81,9 +68,68 @@ class DeviceMemory:
         others = self.others_bytes() if self._step_starts > 2 else None
         if others is not None:
             self.others_before = others if self.others_before is None else min(self.others_before, others)
-        if self.emulated is not None:
-            self.emulated.capacity = self._emulated_limit(step)
-            return
+        self._apply_capacity(step)
+
+    def _apply_capacity(self, step: int) -> None:
+        return None
+
+    def capacity(self) -> int | None:
+        return None
+
+    def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count tensors made outside the tracker (loaded checkpoints) as on the device."""
+
+    def move_in(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count tensors that the runner built on the host and just moved to the device; an
+        OOM when they do not fit, as ``.to(device)`` raises on a GPU."""
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        """Host-side work (loading images, writing checkpoints) that a GPU run does off the card."""
+        return contextlib.nullcontext()
+
+    def live_bytes(self) -> int | None:
+        return None
+
+    def peak_bytes(self) -> int | None:
+        return None
+
+    def reset_peak(self) -> None:
+        return None
+
+    def others_bytes(self) -> int | None:
+        """What the other processes on this GPU hold now (None: not known here)."""
+        return None
+
+    def publish(self, *, force: bool = False) -> None:
+        """Tell an emulated GPU what this process holds."""
+
+    def withdraw(self) -> None:
+        """Tell an emulated GPU this process holds nothing any more."""
+
+    def oom_figures(self, message: str) -> MemoryFigures:
+        """The memory figures of the OOM that just happened."""
+        return MemoryFigures(requested=requested_bytes(message), **self._others())
+
+    def _others(self) -> dict[str, int | None]:
+        return {"others_before": self.others_before, "others_at_oom": self.others_bytes()}
+
+
+class HostMemory(DeviceMemory):
+    """Training on the host with no capacity set: nothing to measure, nothing to refuse."""
+
+
+class CudaMemory(DeviceMemory):
+    """A real CUDA device, measured with torch.cuda; a capacity schedule caps it with a
+    per-process memory fraction."""
+
+    def __init__(self, device: torch.device, schedule: CapSchedule | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self.schedule = schedule
+        # The cap now in force (set_per_process_memory_fraction), if any.
+        self.limit: int | None = None
+
+    def _apply_capacity(self, step: int) -> None:
         if self.schedule is None:
             return
         limit = self.schedule.limit_at(step)
@@ -94,68 +140,95 @@ class DeviceMemory:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device.index or 0)
 
     def capacity(self) -> int | None:
-        if self.emulated is not None:
-            return self.emulated.capacity
-        if self.device.type == "cuda":
-            # What this process can have now: the free memory and what it holds already
-            # (neighbours' memory is not ours to plan with), within the cap if one is set.
-            free, _ = torch.cuda.mem_get_info(self.device)
-            available = free + torch.cuda.memory_reserved(self.device)
-            return min(available, self.limit) if self.limit is not None else available
-        return None
-
-    def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
-        """Count tensors made outside the tracker (loaded checkpoints) as on the device."""
-        if self.emulated is not None:
-            self.emulated.track(t for t in tensors if t is not None)
-
-    def move_in(self, tensors: Iterable[torch.Tensor | None]) -> None:
-        """Count tensors that the runner built on the host and just moved to the device; an
-        OOM when they do not fit, as ``.to(device)`` raises on a GPU."""
-        if self.emulated is not None:
-            self.emulated.move_in(tensors)
-
-    def paused(self) -> contextlib.AbstractContextManager[None]:
-        """Host-side work (loading images, writing checkpoints) that a GPU run does off the card."""
-        if self.emulated is not None:
-            return self.emulated.paused()
-        return contextlib.nullcontext()
+        # What this process can have now: the free memory and what it holds already
+        # (neighbours' memory is not ours to plan with), within the cap if one is set.
+        free, _ = torch.cuda.mem_get_info(self.device)
+        available = free + torch.cuda.memory_reserved(self.device)
+        return min(available, self.limit) if self.limit is not None else available
 
     def live_bytes(self) -> int | None:
-        if self.emulated is not None:
-            return self.emulated.live_bytes
-        if self.device.type == "cuda":
-            return torch.cuda.memory_allocated(self.device)
-        return None
+        return torch.cuda.memory_allocated(self.device)
 
     def peak_bytes(self) -> int | None:
-        if self.emulated is not None:
-            return self.emulated.peak_bytes
-        if self.device.type == "cuda":
-            return torch.cuda.max_memory_allocated(self.device)
-        return None
+        return torch.cuda.max_memory_allocated(self.device)
 
     def reset_peak(self) -> None:
-        if self.emulated is not None:
-            self.emulated.reset_peak()
-        elif self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def others_bytes(self) -> int | None:
-        """What the other processes on this GPU hold now (None: not known here)."""
-        if self.gpu is not None:
-            return self.gpu.folder.used_by_others(self.gpu.index, os.getpid())
-        if self.device.type == "cuda":
-            # Everything on the card that is not in our caching allocator (our CUDA context
-            # counts too, but it does not grow, and growth is what matters).
-            free, total = torch.cuda.mem_get_info(self.device)
-            return total - free - torch.cuda.memory_reserved(self.device)
-        return None
+        # Everything on the card that is not in our caching allocator (our CUDA context
+        # counts too, but it does not grow, and growth is what matters).
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free - torch.cuda.memory_reserved(self.device)
+
+    def oom_figures(self, message: str) -> MemoryFigures:
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return MemoryFigures(
+            requested=requested_bytes(message),
+            allocated=torch.cuda.memory_allocated(self.device),
+            reserved=torch.cuda.memory_reserved(self.device),
+            free=free,
+            total=self.capacity(),
+            # Counted since the process started: the runner is one attempt.
+            alloc_retries=torch.cuda.memory_stats(self.device).get("num_alloc_retries"),
+            **self._others(),
+        )
+
+
+class EmulatedMemory(DeviceMemory):
+    """The emulated device: counts the live bytes of real tensors and raises PyTorch's OOM at
+    the capacity, the schedule's within an emulated GPU's room (either may be None)."""
+
+    def __init__(self, schedule: CapSchedule | None, gpu: AssignedGpu | None = None, groups: GroupsFn | None = None) -> None:
+        super().__init__()
+        self.schedule = schedule
+        # An emulated GPU shared with other processes.
+        self.gpu = gpu
+        self._published: int | None = None
+        self._published_at = 0.0
+        index = gpu.index if gpu is not None else 0
+        self.emulated = EmulatedDevice(capacity=emulated_capacity(schedule, gpu, 0), device_index=index, groups=groups)
+
+    def __enter__(self) -> EmulatedMemory:
+        self.emulated.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.emulated.__exit__(*exc_info)
+
+    def _apply_capacity(self, step: int) -> None:
+        self.emulated.capacity = emulated_capacity(self.schedule, self.gpu, step)
+
+    def capacity(self) -> int | None:
+        return self.emulated.capacity
+
+    def track(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        self.emulated.track(t for t in tensors if t is not None)
+
+    def move_in(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        self.emulated.move_in(tensors)
+
+    def paused(self) -> contextlib.AbstractContextManager[None]:
+        return self.emulated.paused()
+
+    def live_bytes(self) -> int | None:
+        return self.emulated.live_bytes
+
+    def peak_bytes(self) -> int | None:
+        return self.emulated.peak_bytes
+
+    def reset_peak(self) -> None:
+        self.emulated.reset_peak()
+
+    def others_bytes(self) -> int | None:
+        if self.gpu is None:
+            return None
+        return self.gpu.folder.used_by_others(self.gpu.index, os.getpid())
 
     def publish(self, *, force: bool = False) -> None:
         """Tell the emulated GPU what this process holds: the last step's peak, as a caching
         allocator keeps it reserved. Written when it changes, at most twice a second."""
-        if self.gpu is None or self.emulated is None:
+        if self.gpu is None:
             return
         held = self.emulated.peak_bytes
         now = time.monotonic()
@@ -168,30 +241,15 @@ class DeviceMemory:
             self.gpu.folder.withdraw(self.gpu.index, os.getpid())
 
     def oom_figures(self, message: str) -> MemoryFigures:
-        """The memory figures of the OOM that just happened."""
-        others = {"others_before": self.others_before, "others_at_oom": self.others_bytes()}
-        if self.emulated is not None and self.emulated.last_oom is not None:
-            info = self.emulated.last_oom
-            return MemoryFigures(
-                requested=info.requested,
-                allocated=info.allocated,
-                reserved=info.reserved,
-                free=info.free,
-                total=info.total,
-                breakdown=dict(info.breakdown),
-                **others,
-            )
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return MemoryFigures(
-                requested=requested_bytes(message),
-                allocated=torch.cuda.memory_allocated(self.device),
-                reserved=torch.cuda.memory_reserved(self.device),
-                free=free,
-                total=self.capacity(),
-                # Counted since the process started: the runner is one attempt.
-                alloc_retries=torch.cuda.memory_stats(self.device).get("num_alloc_retries"),
-                **others,
-            )
-        return MemoryFigures(requested=requested_bytes(message), **others)
-
+        info = self.emulated.last_oom
+        if info is None:  # not the emulated device's refusal
+            return super().oom_figures(message)
+        return MemoryFigures(
+            requested=info.requested,
+            allocated=info.allocated,
+            reserved=info.reserved,
+            free=info.free,
+            total=info.total,
+            breakdown=dict(info.breakdown),
+            **self._others(),
+        )

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from oomguard.strategies import rungs
+
 # Param-group keys that say how torch's AdamW runs, not what it computes: they are written as
 # torch's defaults and never copied between our wrappers and the optimizers inside them.
 IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -49,29 +51,25 @@ MIN_8BIT_SIZE = 4096
 
 
 def build_optimizer(plan: Any, model: torch.nn.Module, lr: float, weight_decay: float, memory: Any) -> torch.optim.Optimizer:
-    """The optimizer for ``plan`` over the model's trainable parameters, in named order.
+    """The optimizer for ``plan`` over the model's trainable parameters, in named order: the
+    rungs' (strategies/rungs: offload places it, optimizer_8bit makes it), else torch's AdamW.
 
     ``memory`` is the run's ``DeviceMemory``: host-side work happens under its ``paused()``.
     """
     params = [p for _, p in model.named_parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
-    if plan.offload == "optimizer":
-        return HostOffloadedOptimizer(params, lambda host: _make(plan.optimizer, host, lr, weight_decay, fused=True), memory)
-    if plan.offload != "none":
-        # The offload rung only ever moves the optimizer state; parameter offload has no code.
-        raise ValueError(f"offload {plan.offload!r} is not available: oomguard offloads the optimizer state only ('optimizer')")
+
+    def make(tensors: list[torch.Tensor], fused: bool | None) -> torch.optim.Optimizer:
+        made = rungs.make_optimizer(plan, tensors, lr, weight_decay, fused)
+        return made if made is not None else torch.optim.AdamW(tensors, lr=lr, weight_decay=weight_decay, fused=fused)
+
+    placed = rungs.place_optimizer(plan, params, make, memory)
+    if placed is not None:
+        return placed
     # The fused AdamW kernel (one pass per parameter, CPU and CUDA) is the fastest torch has;
     # the offloaded optimizer uses it on the host too, so offload never wins on speed alone.
-    return _make(plan.optimizer, params, lr, weight_decay, fused=params[0].device.type in ("cpu", "cuda"))
-
-
-def _make(kind: str, params: list[torch.Tensor], lr: float, weight_decay: float, fused: bool | None = None) -> torch.optim.Optimizer:
-    if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=fused)
-    if kind == "adamw8bit":
-        return adamw8bit_class()(params, lr=lr, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
-    raise ValueError(f"unknown optimizer {kind!r}")
+    return make(params, params[0].device.type in ("cpu", "cuda"))
 
 
 def device_state_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -131,14 +129,13 @@ def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
 def adamw8bit_class() -> type:
     """bitsandbytes' AdamW8bit with torch AdamW's ``state_dict`` (defined on first use, so that
     importing this module does not import bitsandbytes)."""
-    from bitsandbytes import functional
     from bitsandbytes.optim import AdamW8bit as Base
 
     class AdamW8bit(Base):  # type: ignore[misc, valid-type]
         def state_dict(self) -> dict[str, Any]:
             packed = torch.optim.Optimizer.state_dict(self)
             return {
-                "state": {index: _to_adamw_state(state) for index, state in packed["state"].items()},
+                "state": {index: _adamw_state_of_8bit(state) for index, state in packed["state"].items()},
                 "param_groups": [adamw_group(group) for group in packed["param_groups"]],
                 CODES_KEY: {
                     index: {key: state[key] for key in _CODE_KEYS}
@@ -159,49 +156,57 @@ def adamw8bit_class() -> type:
             codes = state_dict.get(CODES_KEY, {})
             for index, param in zip(indices, params):
                 if index in states:
-                    self.state[param] = self._from_adamw_state(states[index], codes.get(index), param)
-
-        def _from_adamw_state(self, state: dict[str, Any], codes: dict[str, torch.Tensor] | None, param: torch.Tensor) -> dict[str, Any]:
-            step = state["step"]
-            result: dict[str, Any] = {"step": int(step.item() if isinstance(step, torch.Tensor) else step)}
-            if "dynamic" not in self.name2qmap:
-                self.fill_qmap()
-            if codes is not None and param.numel() >= self.args.min_8bit_size and codes["state1"].shape == param.shape:
-                # Our own 8-bit codes: resume exactly.
-                for n, name in ((1, "dynamic"), (2, "udynamic")):
-                    self.name2qmap[name] = self.name2qmap[name].to(param.device)
-                    result[f"state{n}"] = codes[f"state{n}"].to(param.device, copy=True)
-                    result[f"absmax{n}"] = codes[f"absmax{n}"].to(param.device, torch.float32, copy=True)
-                    result[f"qmap{n}"] = self.name2qmap[name]
-                return result
-            moments = [state[key].detach().to("cpu", torch.float32, copy=True) for key in ("exp_avg", "exp_avg_sq")]
-            if param.numel() < self.args.min_8bit_size:
-                result["state1"], result["state2"] = (m.reshape(param.shape).to(param.device) for m in moments)
-                return result
-            for n, (moment, name) in enumerate(zip(moments, ("dynamic", "udynamic")), start=1):
-                # Quantized on the host: the fp32 moments never reach the device.
-                quantized, quant_state = functional.quantize_blockwise(
-                    moment.contiguous(), code=self.name2qmap[name].cpu(), blocksize=BLOCKSIZE_8BIT
-                )
-                self.name2qmap[name] = self.name2qmap[name].to(param.device)
-                result[f"state{n}"] = quantized.reshape(param.shape).to(param.device)
-                result[f"absmax{n}"] = quant_state.absmax.to(param.device, torch.float32)
-                result[f"qmap{n}"] = self.name2qmap[name]
-            return result
-
-    def _to_adamw_state(state: dict[str, Any]) -> dict[str, Any]:
-        moments = []
-        for n in (1, 2):
-            moment = state[f"state{n}"]
-            if moment.dtype == torch.uint8:
-                # On the host: dequantized moments are 4x the device's 8-bit ones.
-                moment = functional.dequantize_blockwise(
-                    moment.cpu(), absmax=state[f"absmax{n}"].cpu(), code=state[f"qmap{n}"].cpu(), blocksize=BLOCKSIZE_8BIT
-                )
-            moments.append(moment)
-        return {"step": torch.tensor(float(state["step"]), dtype=torch.float32), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
+                    self.state[param] = _8bit_state_of_adamw(self, states[index], codes.get(index), param)
 
     return AdamW8bit
+
+
+def _8bit_state_of_adamw(optimizer: Any, state: dict[str, Any], codes: dict[str, torch.Tensor] | None, param: torch.Tensor) -> dict[str, Any]:
+    """The state of ``param`` for the 8-bit ``optimizer`` from AdamW's: its own codes when they
+    fit (an exact resume), else the fp32 moments, quantized on the host."""
+    from bitsandbytes import functional
+
+    step = state["step"]
+    result: dict[str, Any] = {"step": int(step.item() if isinstance(step, torch.Tensor) else step)}
+    if "dynamic" not in optimizer.name2qmap:
+        optimizer.fill_qmap()
+    qmaps = optimizer.name2qmap
+    if codes is not None and param.numel() >= optimizer.args.min_8bit_size and codes["state1"].shape == param.shape:
+        # Our own 8-bit codes: resume exactly.
+        for n, name in ((1, "dynamic"), (2, "udynamic")):
+            qmaps[name] = qmaps[name].to(param.device)
+            result[f"state{n}"] = codes[f"state{n}"].to(param.device, copy=True)
+            result[f"absmax{n}"] = codes[f"absmax{n}"].to(param.device, torch.float32, copy=True)
+            result[f"qmap{n}"] = qmaps[name]
+        return result
+    moments = [state[key].detach().to("cpu", torch.float32, copy=True) for key in ("exp_avg", "exp_avg_sq")]
+    if param.numel() < optimizer.args.min_8bit_size:
+        result["state1"], result["state2"] = (m.reshape(param.shape).to(param.device) for m in moments)
+        return result
+    for n, (moment, name) in enumerate(zip(moments, ("dynamic", "udynamic")), start=1):
+        # Quantized on the host: the fp32 moments never reach the device.
+        quantized, quant_state = functional.quantize_blockwise(moment.contiguous(), code=qmaps[name].cpu(), blocksize=BLOCKSIZE_8BIT)
+        qmaps[name] = qmaps[name].to(param.device)
+        result[f"state{n}"] = quantized.reshape(param.shape).to(param.device)
+        result[f"absmax{n}"] = quant_state.absmax.to(param.device, torch.float32)
+        result[f"qmap{n}"] = qmaps[name]
+    return result
+
+
+def _adamw_state_of_8bit(state: dict[str, Any]) -> dict[str, Any]:
+    """AdamW's state (step, fp32 exp_avg and exp_avg_sq) of one parameter of the 8-bit optimizer."""
+    from bitsandbytes import functional
+
+    moments = []
+    for n in (1, 2):
+        moment = state[f"state{n}"]
+        if moment.dtype == torch.uint8:
+            # On the host: dequantized moments are 4x the device's 8-bit ones.
+            moment = functional.dequantize_blockwise(
+                moment.cpu(), absmax=state[f"absmax{n}"].cpu(), code=state[f"qmap{n}"].cpu(), blocksize=BLOCKSIZE_8BIT
+            )
+        moments.append(moment)
+    return {"step": torch.tensor(float(state["step"]), dtype=torch.float32), "exp_avg": moments[0], "exp_avg_sq": moments[1]}
 
 
 # -- offload to the host -----------------------------------------------------------------------

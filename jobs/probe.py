@@ -12,18 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from oomguard.jobs.attempt import Control
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.spec import JobSpec
+from oomguard.jobs.trainers.base import Trainer
 from oomguard.jobs.training import Training, build_training, free, one_step, oom_measurement, unfit_to_continue
 from oomguard.strategies import planner
 from oomguard.strategies.memory_model import Measurement, MemoryModel, shape_of
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.units import format_mib
 
 # Plans measured at most; each costs two steps of a fresh model.
 MAX_PROBED_PLANS = 6
@@ -40,7 +41,7 @@ class ProbeResult:
 
 
 def measure(
-    trainer: Any, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, control: Control, *, warm_steps: int = 1
+    trainer: Trainer, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, control: Control, *, warm_steps: int = 1
 ) -> tuple[Measurement, Outcome | None]:
     """Build ``plan`` fresh, run ``warm_steps`` unmeasured steps and one measured step; the
     OOM as an Outcome too when it did not fit."""
@@ -76,7 +77,7 @@ def measure(
 
 
 def run_probe(
-    trainer: Any,
+    trainer: Trainer,
     job: JobSpec,
     start: Plan,
     device: torch.device,
@@ -109,10 +110,10 @@ def run_probe(
         if oom is not None and leftover is not None:
             # Measuring more here would measure the leftovers too; the doctor plans the next
             # attempt, in a new process, from what was measured so far.
-            say(f"probe: the failed step left {leftover / 2**20:.1f} MiB behind on the device; stopping here")
+            say(f"probe: the failed step left {format_mib(leftover)} behind on the device; stopping here")
             return ProbeResult(start, tuple(measurements), "probe: stopped after an OOM that left memory behind", failure=oom)
-        verdict = f"peak {measured.peak_bytes / 2**20:.1f} MiB" if measured.fits else "out of memory"
-        say(f"probe: [{next_plan.short()}] {verdict} (capacity {capacity / 2**20:.1f} MiB)")
+        verdict = f"peak {format_mib(measured.peak_bytes)}" if measured.fits else "out of memory"
+        say(f"probe: [{next_plan.short()}] {verdict} (capacity {format_mib(capacity)})")
         model = MemoryModel(measurements)
         failed = {m.plan for m in measurements if not m.fits}
         ran = {m.plan for m in measurements if m.fits}

@@ -66,10 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     quiet_optional_kernel_warnings()
     _without_unused_diffusers_integrations()
     # Imported after the cheap checks: torch takes seconds to import.
+    from oomguard.jobs.faults import injected_fault
     from oomguard.jobs.loop import train
 
     try:
-        outcome = train(config, attempt_dir, control)
+        outcome = train(config, attempt_dir, control, after_step=injected_fault())
     except Exception as error:  # noqa: BLE001 - every failure must end in an outcome.json
         tail = "".join(traceback.format_exception(error))[-4000:]
         print(tail, file=sys.stderr, flush=True)

@@ -20,8 +20,9 @@ import sys
 import threading
 from typing import Any, NoReturn
 
+from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.emulated_gpus import AssignedGpu, emulated_capacity
-from oomguard.jobs.sizes import EMULATE_DEVICE_MEMORY_ENV, CapSchedule
+from oomguard.jobs.sizes import CapSchedule
 
 # The exit status of a process whose emulated capacity could not be applied (EX_SOFTWARE).
 EXIT_NOT_APPLIED = 70
@@ -31,8 +32,8 @@ _DEVICE: list[Any] = []
 
 
 def _schedule() -> CapSchedule | None:
-    text = os.environ.get(EMULATE_DEVICE_MEMORY_ENV)
-    return CapSchedule.parse(text) if text else None
+    # The daemon puts the attempt's DeviceSpec into the script's environment.
+    return DeviceSpec.from_environment().emulated_capacity
 
 
 def capacity_from_environment(steps_done: int = 0) -> int | None:

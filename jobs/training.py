@@ -20,6 +20,7 @@ from oomguard.jobs.attempt import Control
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.spec import JobSpec
+from oomguard.jobs.trainers.base import Trainer
 from oomguard.strategies import rungs
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import MemoryFigures
@@ -107,7 +108,7 @@ class Training:
 
 
 def build_training(
-    trainer: Any, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, weights: ModelWeights | None = None
+    trainer: Trainer, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, weights: ModelWeights | None = None
 ) -> Training:
     """The model (the trainer seeds it: same initial weights every time, unless ``weights``
     are given), adapted and quantized as ``plan`` says, and its optimizer.
@@ -117,8 +118,7 @@ def build_training(
     """
     from diffusers.optimization import get_scheduler
 
-    from oomguard.jobs.adapters import apply_lora, load_adapter_state_dict, quantize_base
-    from oomguard.jobs.precision import resolve_mixed_precision
+    from oomguard.jobs.adapters import load_adapter_state_dict
 
     base_state = None
     with memory.paused():
@@ -127,27 +127,26 @@ def build_training(
             if weights.adapters is not None and weights.lora_rank != plan.lora_rank:
                 weights = _merge_adapters(trainer, weights)
             model.load_state_dict(weights.base)
-        if plan.lora_rank is not None:
-            base_state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-            # The adapters' A matrices are random: the same seed gives the same adapters.
-            torch.manual_seed(job.train.seed)
-            apply_lora(model, plan.lora_rank)
-            if weights is not None and weights.adapters is not None:
-                load_adapter_state_dict(model, weights.adapters)
-            if plan.base_quantization is not None:
-                quantize_base(model, plan.base_quantization)
+        own_weights = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        if rungs.adapt_model(plan, model, job.train.seed):
+            # Only adapters train: checkpoints keep the frozen base apart, as it was built.
+            base_state = own_weights
+        del own_weights
+        if weights is not None and weights.adapters is not None:
+            # Adapters of this plan's rank (others were merged into the base above).
+            load_adapter_state_dict(model, weights.adapters)
     model = model.to(device)
     memory.move_in(model.parameters())
     rungs.configure_model(plan, model)
     optimizer = build_optimizer(plan, model, job.train.learning_rate, job.train.weight_decay, memory)
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer=optimizer, num_warmup_steps=job.train.lr_warmup_steps)
-    precision = resolve_mixed_precision(plan.mixed_precision, device)
-    autocast_dtype = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+    autocast_dtype = rungs.autocast_dtype(plan, device)
+    # fp16 overflows where fp32 and bf16 do not: its gradients need a scaler.
+    scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
     return Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state)
 
 
-def _merge_adapters(trainer: Any, weights: ModelWeights) -> ModelWeights:
+def _merge_adapters(trainer: Trainer, weights: ModelWeights) -> ModelWeights:
     """A LoRA checkpoint read by a plan with another rank (or none): merge its adapters into
     its base, and go on from the merged weights."""
     from oomguard.jobs.adapters import apply_lora, load_adapter_state_dict, merged_state_dict
@@ -205,7 +204,7 @@ class StepResult:
     seconds: float
 
 
-def one_step(trainer: Any, training: Training, step: int, memory: DeviceMemory, control: Control) -> StepResult:
+def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemory, control: Control) -> StepResult:
     """One optimizer step over the whole effective batch, in micro-batches."""
     plan, model = training.plan, training.model
     started = time.perf_counter()

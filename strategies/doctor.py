@@ -10,35 +10,17 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from oomguard.strategies import planner, rungs
-from oomguard.strategies.contention import Contention, find_contention
+from oomguard.strategies.contention import Contention, bytes_to_wait_for, find_contention
 from oomguard.strategies.memory_model import Measurement, MemoryModel
-from oomguard.strategies.outcome import MemoryFigures, Outcome, format_bytes
+from oomguard.strategies.oom_judge import is_fragmentation
+from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.planner import candidate_plans, rungs_between
-
-
-@dataclass(frozen=True)
-class Policy:
-    """What the job allows: which rungs, and how many tries."""
-
-    allow: tuple[str, ...] = field(default_factory=rungs.exact_names)
-    max_attempts: int = 12
-    crash_retries: int = 2
-    # Attempts cut short by a neighbour's spike (contention) in a row, at most: a GPU that
-    # other processes keep taking needs a person.
-    max_waits: int = 20
-    # The job's own first plan: the planner searches everything reachable from it.
-    initial: Plan | None = None
-    # Rungs under which the job's loss diverged (set by decide from the history): neither
-    # taken nor suggested again.
-    unsafe: tuple[str, ...] = ()
-    # A command job's argument that carries the plan's micro-batch to its script (e.g.
-    # "--train_batch_size={micro_batch}"): a script may ignore it, which the doctor watches
-    # for. None for the built-in trainer, which always honours its plan.
-    micro_batch_argument: str | None = None
+from oomguard.strategies.policy import Policy
+from oomguard.strategies.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -109,21 +91,6 @@ MACHINE_TROUBLE = re.compile(r"No space left on device|Disk quota exceeded|Input
 
 
 Decision = NextPlan | Retry | Wait | GiveUp
-
-
-def is_fragmentation(memory: MemoryFigures | None) -> bool:
-    """The memory is there but in pieces, which expandable segments fix: reserved-but-
-    unallocated memory at least as large as the failed request; or at least half of it while
-    the allocator had to flush its cache and retry during the attempt (a rising
-    num_alloc_retries means cached blocks kept failing to fit the requests)."""
-    if memory is None or memory.requested is None:
-        return False
-    unallocated = memory.reserved_unallocated
-    if unallocated is None or unallocated <= 0:
-        return False
-    if unallocated >= memory.requested:
-        return True
-    return bool(memory.alloc_retries) and 2 * unallocated >= memory.requested
 
 
 def describe_oom(outcome: Outcome) -> str:
@@ -242,14 +209,7 @@ def _after_contention(contention: Contention, outcome: Outcome, plan: Plan, hist
             f"other processes took the GPU's memory {streak} times in a row; free the GPU or move the job", history, policy,
             next_step="free the GPU (`oomguard gpus` shows what is on it) or move the job, and submit it again",
         )
-    peak = steady_peak(outcome, plan)
-    needed = max(peak or 0, contention.needed)
-    # The margin a plan that ran gets (memory_model.MARGIN_RAN), so the retry is not a coin
-    # toss; but never more than the room the job had before the neighbour grew, which is there
-    # again when the neighbour goes (a job that ran at its edge must not wait forever).
-    free_bytes = int(needed * 1.03)
-    if contention.room_before is not None:
-        free_bytes = min(free_bytes, contention.room_before)
+    free_bytes = bytes_to_wait_for(contention, steady_peak(outcome, plan))
     return Wait(
         reason=f"{describe_oom(outcome)}; {contention.describe()} -> wait until {format_bytes(free_bytes)} are free, "
         f"then run the same plan [{plan.short()}] again (no rung for a neighbour's spike)",

@@ -31,16 +31,6 @@ KIND_BY_EXIT_CODE: dict[int, OutcomeKind] = {
 }
 
 
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "?"
-    if n < 2**20:
-        return f"{n / 2**10:.1f} KiB"
-    if n < 2**30:
-        return f"{n / 2**20:.1f} MiB"
-    return f"{n / 2**30:.2f} GiB"
-
-
 @dataclass(frozen=True)
 class MemoryFigures:
     """Device memory at the moment of an OOM, in bytes (None where unknown)."""

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from oomguard.strategies import rungs
 from oomguard.strategies.memory_model import MemoryModel
-from oomguard.strategies.outcome import format_bytes
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.units import format_bytes
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Stand-ins for the parts of the daemon that touch the world: a Launcher that starts nothing
 and a Clock that moves only when a test moves it. With them, Supervisor.drain() runs the
-daemon's loop synchronously: no process, no sleep."""
+daemon's loop synchronously: no process, no sleep. Also store rows made without a store, for
+the scheduler's pure functions."""
 
 from __future__ import annotations
 
@@ -9,11 +10,29 @@ import json
 import subprocess
 from collections.abc import Collection, Sequence
 from pathlib import Path
+from typing import Any
 
-from oomguard.daemon.launch import Exit, Handle, LaunchFailed, LaunchRequest
+from oomguard.daemon.launch import Exit, Handle, LaunchRequest
+from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import OUTCOME, AttemptFiles
 from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.errors import LaunchFailed
+
+
+def job_row(**fields: Any) -> JobRow:
+    """A queued job's row; ``fields`` as the store holds them (``plan`` as JSON text)."""
+    stored: dict[str, Any] = {
+        "id": 1, "name": "j", "owner": "me", "spec": "{}", "state": "queued", "priority": 0, "submitted_at": 0.0, "workdir": "/w",
+        "plan": json.dumps({"batch_size": 4, "micro_batch": 4}), "cancel_requested": 0,
+    }
+    return JobRow.from_stored({**stored, **fields})
+
+
+def attempt_row(**fields: Any) -> AttemptRow:
+    """An attempt's row; ``fields`` as the store holds them (``outcome`` as JSON text)."""
+    stored: dict[str, Any] = {"id": 1, "job_id": 1, "number": 1, "plan": "{}", "directory": "/w/attempts/001", "started_at": 0.0}
+    return AttemptRow.from_stored({**stored, **fields})
 
 
 class FakeClock:

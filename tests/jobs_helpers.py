@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.jobs.attempt import METRICS, OUTCOME, AttemptConfig
+from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.spec import JobSpec, parse_job_text
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
@@ -77,7 +78,7 @@ def write_attempt(
 ) -> Path:
     plan = plan or Plan.initial(job.train.batch_size, micro_batch=micro_batch)
     AttemptConfig(
-        job=job, plan=plan, number=number, workdir=workdir, emulate_device_memory=cap, probe=probe, recover_in_process=recover_in_process
+        job=job, plan=plan, number=number, workdir=workdir, device=DeviceSpec.from_option(cap), probe=probe, recover_in_process=recover_in_process
     ).write(attempt_dir)
     return attempt_dir
 

@@ -60,15 +60,6 @@ class Exit:
     no_folder: bool = False  # it could not enter the workdir or make the attempt's folder, as the owner
 
 
-class LaunchFailed(Exception):
-    """An attempt could not be started at all; ``fix`` says what an installer must do."""
-
-    def __init__(self, why: str, fix: str) -> None:
-        super().__init__(why)
-        self.why = why
-        self.fix = fix
-
-
 class Launcher(Protocol):
     def start(self, request: LaunchRequest) -> Handle:
         """Start the attempt; LaunchFailed when it cannot be started."""

@@ -16,10 +16,12 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from oomguard.daemon import processes
-from oomguard.daemon.launch import Exit, Handle, LaunchFailed, LaunchRequest
+from oomguard.daemon.as_user import spawn_options
+from oomguard.daemon.launch import Exit, Handle, LaunchRequest
 from oomguard.daemon.shim import CANNOT_USE_FOLDER, EXIT_STATUS
-from oomguard.daemon.users import Account, spawn_options
+from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import AttemptFiles
+from oomguard.strategies.errors import LaunchFailed
 
 SHIM_MODULE = "oomguard.daemon.shim"
 

@@ -31,6 +31,8 @@ class StepInputs:
 
 
 class UnconditionalTrainer:
+    """The Trainer (jobs/trainers/base.py) of jobs with ``trainer = "unconditional"``."""
+
     def __init__(self, job: JobSpec) -> None:
         from diffusers import DDPMScheduler
 

@@ -25,7 +25,7 @@ from oomguard.strategies.rungs import (
     optimizer_8bit,
     precision,
 )
-from oomguard.strategies.rungs.base import Rung
+from oomguard.strategies.rungs.base import MakeOptimizer, Rung
 
 # The order is the ladder's.
 _LADDER: tuple[Rung, ...] = (
@@ -87,3 +87,39 @@ def configure_model(plan: Plan, model: Any) -> None:
     """Apply every rung's model-side knob for ``plan``."""
     for r in _LADDER:
         r.configure_model(plan, model)
+
+
+def adapt_model(plan: Plan, model: Any, seed: int) -> bool:
+    """Apply every rung's change to a freshly built model on the host, in ladder order; True
+    when one froze the model's own weights (only what a rung added is trained)."""
+    froze = False
+    for r in _LADDER:
+        froze = r.adapt_model(plan, model, seed) or froze
+    return froze
+
+
+def make_optimizer(plan: Plan, params: list[Any], lr: float, weight_decay: float, fused: bool | None) -> Any:
+    """The first rung's optimizer for ``plan`` over ``params``, or None (torch's AdamW)."""
+    for r in _LADDER:
+        optimizer = r.make_optimizer(plan, params, lr, weight_decay, fused)
+        if optimizer is not None:
+            return optimizer
+    return None
+
+
+def place_optimizer(plan: Plan, params: list[Any], make: MakeOptimizer, memory: Any) -> Any:
+    """The first rung's optimizer kept away from the parameters' device, or None."""
+    for r in _LADDER:
+        optimizer = r.place_optimizer(plan, params, make, memory)
+        if optimizer is not None:
+            return optimizer
+    return None
+
+
+def autocast_dtype(plan: Plan, device: Any) -> Any:
+    """The torch dtype to autocast to on ``device`` under ``plan``, or None (full precision)."""
+    for r in _LADDER:
+        dtype = r.autocast_dtype(plan, device)
+        if dtype is not None:
+            return dtype
+    return None

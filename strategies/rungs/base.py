@@ -3,8 +3,9 @@
 A rung module declares everything about its rung in one :class:`Rung` value: its name and
 exactness, the Plan knob it turns, its pure Plan -> Plan step, what it does to the memory
 model's consumers, how it shows in a plan's one-line summary, how it reaches a process
-environment or a built model, and what it means for a command job. The planner, the doctor, the
-memory model, Plan.short and command jobs read these declarations and never name a rung.
+environment, how the built-in trainers apply it (model, optimizer, autocast), and what it
+means for a command job. The planner, the doctor, the memory model, Plan.short, command jobs
+and the built-in trainers read these declarations and never name a rung.
 """
 
 from __future__ import annotations
@@ -94,11 +95,31 @@ class CommandSide:
     values: Callable[[Plan], dict[str, str]] = _no_values
 
 
+# Builds an optimizer over the given tensors (fused: use torch's fused kernel, None: its choice).
+MakeOptimizer = Callable[[list[Any], bool | None], Any]
+
+
 def _no_environment(plan: Plan, env: Mapping[str, str]) -> dict[str, str]:
     return dict(env)
 
 
 def _no_model_change(plan: Plan, model: Any) -> None:
+    return None
+
+
+def _no_adaptation(plan: Plan, model: Any, seed: int) -> bool:
+    return False
+
+
+def _no_optimizer(plan: Plan, params: list[Any], lr: float, weight_decay: float, fused: bool | None) -> Any:
+    return None
+
+
+def _not_placed(plan: Plan, params: list[Any], make: MakeOptimizer, memory: Any) -> Any:
+    return None
+
+
+def _no_autocast(plan: Plan, device: Any) -> Any:
     return None
 
 
@@ -145,7 +166,22 @@ class Rung:
     # The values the planner tries for a batch rung, from the job's first plan.
     choices: Callable[[Plan], Iterable[Any]] | None = None
     environment: Callable[[Plan, Mapping[str, str]], dict[str, str]] = _no_environment
+    # -- how the built-in trainers apply it (jobs/training.py, jobs/optimizers.py). The hooks
+    # import torch and the code under jobs/ inside themselves: strategies/ loads without torch.
+    # Applied to a built model, on the device, and again whenever the plan changes in process.
     configure_model: Callable[[Plan, Any], None] = _no_model_change
+    # Changes a freshly built model on the host, before it moves to the device (what is trained,
+    # how frozen weights are stored), drawing anything random from ``seed``. True when it froze
+    # the model's own weights: checkpoints then keep those apart, as the base.
+    adapt_model: Callable[[Plan, Any, int], bool] = _no_adaptation
+    # The optimizer over ``params`` (lr, weight_decay, fused), or None: the next rung's, and
+    # torch's AdamW when no rung has one.
+    make_optimizer: Callable[[Plan, list[Any], float, float, bool | None], Any] = _no_optimizer
+    # An optimizer that keeps its state away from the parameters' device, built over copies of
+    # ``params`` with ``make``, or None: the optimizer sits beside its parameters.
+    place_optimizer: Callable[[Plan, list[Any], MakeOptimizer, Any], Any] = _not_placed
+    # The torch dtype forward and backward run in under autocast on ``device``, or None.
+    autocast_dtype: Callable[[Plan, Any], Any] = _no_autocast
     # None: a command job never takes it.
     command: CommandSide | None = None
 

@@ -9,6 +9,8 @@ built when the process starts, so it takes a new attempt.
 
 from __future__ import annotations
 
+from typing import Any
+
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.rungs.base import MemoryTerms, Rung
 
@@ -26,6 +28,16 @@ def step(plan: Plan) -> Plan | None:
 def describe(old: Plan, new: Plan) -> str:
     was = old.base_quantization or "fp32"
     return f"store the frozen base weights in {new.base_quantization} instead of {was} (not exact)"
+
+
+def adapt_model(plan: Plan, model: Any, seed: int) -> bool:
+    """Quantize the frozen base under the adapters the LoRA rung injected (jobs/adapters.py)."""
+    if plan.lora_rank is None or plan.base_quantization is None:
+        return False
+    from oomguard.jobs.adapters import quantize_base
+
+    quantize_base(model, plan.base_quantization)
+    return False
 
 
 def memory(plan: Plan) -> MemoryTerms | None:
@@ -48,4 +60,5 @@ RUNG = Rung(
     shrinks=frozenset({"parameters"}),
     memory=memory,
     label=label,
+    adapt_model=adapt_model,
 )

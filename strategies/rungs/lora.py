@@ -14,6 +14,8 @@ The model is built when the process starts, so it takes a new attempt.
 
 from __future__ import annotations
 
+from typing import Any
+
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.rungs.base import CommandSide, MemoryTerms, Placeholder, Rung, WhenKey
 
@@ -34,6 +36,20 @@ def describe(old: Plan, new: Plan) -> str:
         f"freeze the model and train rank-{new.lora_rank} LoRA adapters "
         "(gradients and optimizer state for the adapters only; changes what is trained)"
     )
+
+
+def adapt_model(plan: Plan, model: Any, seed: int) -> bool:
+    """Freeze the model and inject the adapters (jobs/adapters.py)."""
+    if plan.lora_rank is None:
+        return False
+    import torch
+
+    from oomguard.jobs.adapters import apply_lora
+
+    # The adapters' A matrices are random: the same seed gives the same adapters.
+    torch.manual_seed(seed)
+    apply_lora(model, plan.lora_rank)
+    return True
 
 
 def memory(plan: Plan) -> MemoryTerms | None:
@@ -59,6 +75,7 @@ RUNG = Rung(
     shrinks=frozenset({"optimizer_state", "gradients", "parameters"}),
     memory=memory,
     label=label,
+    adapt_model=adapt_model,
     command=CommandSide(
         placeholders=(Placeholder("lora_rank", "the LoRA rank (only with [command.when] lora)", listed=6),),
         when=WhenKey("lora", "LoRA adapters are trained (with {lora_rank})", listed=4),

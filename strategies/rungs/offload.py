@@ -13,8 +13,10 @@ when the process starts, so it takes a new attempt.
 
 from __future__ import annotations
 
+from typing import Any
+
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.rungs.base import CommandSide, MemoryTerms, Rung, WhenKey
+from oomguard.strategies.rungs.base import CommandSide, MakeOptimizer, MemoryTerms, Rung, WhenKey
 
 # The optimizer state leaves the device; the copies and the host's update cost time.
 TERMS = MemoryTerms(time=1.1, optimizer_on_device=False)
@@ -33,6 +35,19 @@ def describe(old: Plan, new: Plan) -> str:
 def on(plan: Plan) -> bool:
     # "params" has no step, no memory terms and no [command.when] key yet.
     return plan.offload == "optimizer"
+
+
+def place_optimizer(plan: Plan, params: list[Any], make: MakeOptimizer, memory: Any) -> Any:
+    """The optimizer made by ``make`` over host copies of ``params`` (jobs/optimizers.py)."""
+    if plan.offload == "none":
+        return None
+    if not on(plan):
+        # The offload rung only ever moves the optimizer state; parameter offload has no code.
+        raise ValueError(f"offload {plan.offload!r} is not available: oomguard offloads the optimizer state only ('optimizer')")
+    from oomguard.jobs.optimizers import HostOffloadedOptimizer
+
+    # fused: the host runs torch's fused CPU kernel.
+    return HostOffloadedOptimizer(params, lambda host: make(host, True), memory)
 
 
 def memory(plan: Plan) -> MemoryTerms | None:
@@ -55,6 +70,7 @@ RUNG = Rung(
     on=on,
     memory=memory,
     label=label,
+    place_optimizer=place_optimizer,
     command=CommandSide(
         when=WhenKey("offload_optimizer", "the optimizer state is offloaded to the host", listed=3),
         needs=("when:offload_optimizer",),

@@ -8,6 +8,8 @@ matter). The optimizer is built when the process starts, so it takes a new attem
 
 from __future__ import annotations
 
+from typing import Any
+
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.rungs.base import CommandSide, MemoryTerms, Rung, WhenKey
 
@@ -24,6 +26,17 @@ def step(plan: Plan) -> Plan | None:
 
 def describe(old: Plan, new: Plan) -> str:
     return "use 8-bit AdamW moments (optimizer state about 4x smaller; not exact)"
+
+
+def make_optimizer(plan: Plan, params: list[Any], lr: float, weight_decay: float, fused: bool | None) -> Any:
+    """bitsandbytes' AdamW8bit in torch AdamW's checkpoint format (jobs/optimizers.py)."""
+    if plan.optimizer == "adamw":
+        return None
+    if plan.optimizer != "adamw8bit":
+        raise ValueError(f"unknown optimizer {plan.optimizer!r}")
+    from oomguard.jobs.optimizers import MIN_8BIT_SIZE, adamw8bit_class
+
+    return adamw8bit_class()(params, lr=lr, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
 
 
 def memory(plan: Plan) -> MemoryTerms | None:
@@ -45,6 +58,7 @@ RUNG = Rung(
     shrinks=frozenset({"optimizer_state"}),
     memory=memory,
     label=label,
+    make_optimizer=make_optimizer,
     command=CommandSide(
         when=WhenKey("optimizer_8bit", "the optimizer is 8-bit AdamW", listed=2),
         needs=("when:optimizer_8bit",),

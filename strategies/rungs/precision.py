@@ -10,6 +10,8 @@ it is built, so it takes a new attempt.
 
 from __future__ import annotations
 
+from typing import Any
+
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.rungs.base import CommandSide, MemoryTerms, Placeholder, Rung
 
@@ -25,6 +27,15 @@ def step(plan: Plan) -> Plan | None:
 
 def describe(old: Plan, new: Plan) -> str:
     return "train in bf16 mixed precision (about half the activation memory; not exact)"
+
+
+def autocast_dtype(plan: Plan, device: Any) -> Any:
+    """The dtype the device really runs the plan's precision in (jobs/precision.py), or None."""
+    import torch
+
+    from oomguard.jobs.precision import resolve_mixed_precision
+
+    return {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}[resolve_mixed_precision(plan.mixed_precision, device)]
 
 
 def memory(plan: Plan) -> MemoryTerms | None:
@@ -51,6 +62,7 @@ RUNG = Rung(
     shrinks=frozenset({"activations"}),
     memory=memory,
     label=label,
+    autocast_dtype=autocast_dtype,
     command=CommandSide(
         placeholders=(Placeholder("mixed_precision", "no, bf16 or fp16", listed=4),),
         needs=("{mixed_precision}",),

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.daemon.cli import find_job, job_record
+from oomguard.daemon.cli.state import find_job, job_record
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store
 from tests.jobs_helpers import TINY_JOB

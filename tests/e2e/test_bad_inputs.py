@@ -31,8 +31,9 @@ import pytest
 
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.spool import Rejection, Spool
-from oomguard.daemon.store import JobNotFound, Store
+from oomguard.daemon.store import Store
 from oomguard.daemon import cli
+from oomguard.strategies.errors import JobNotFound
 from tests.bad_inputs.corpus import Case, bad_job_expectation, bad_job_files, load_cases
 from tests.conftest import as_root
 from tests.e2e.conftest import Daemon, kill_leftovers, oomguard, tiny_job, wait_for
@@ -101,7 +102,7 @@ class Box:
             return None
 
     def wait_job(self, key: str, timeout: float = 180) -> dict[str, Any]:
-        return wait_for(lambda: (job := self.job(key)) is not None and job["state"] in ("finished", "failed", "cancelled") and job, timeout, f"job {key} to end")
+        return wait_for(lambda: (job := self.job(key)) is not None and job.state in ("finished", "failed", "cancelled") and job, timeout, f"job {key} to end")
 
     def ids(self) -> dict[str, Any]:
         return {"alice_job": self.alice_job, "finished_job": self.finished_job()}
@@ -110,8 +111,8 @@ class Box:
         """The id of the first valid job, once it has finished (requests about ended jobs)."""
         if self._finished_job is None:
             job = self.wait_job("good-before")
-            assert job["state"] == "finished", job
-            self._finished_job = job["id"]
+            assert job.state == "finished", job
+            self._finished_job = job.id
         return self._finished_job
 
     def staging(self, name: str) -> Path:
@@ -173,7 +174,7 @@ def box(request: pytest.FixtureRequest) -> Iterator[Box]:
             job.write_text(command_job("alice-job", [sys.executable, str(script), str(the_box.release)]))
             os.chown(job, accounts["alice"].uid, accounts["alice"].gid)
             os.rename(job, the_box.state.inbox / "alice-job.toml")
-            the_box.alice_job = wait_for(lambda: (j := the_box.job("alice-job")) and j["id"], 30, "alice's job to be queued")
+            the_box.alice_job = wait_for(lambda: (j := the_box.job("alice-job")) and j.id, 30, "alice's job to be queued")
             the_box.good_jobs.append("alice-job")
         yield the_box
     finally:
@@ -299,7 +300,7 @@ def request_answers(box: Box) -> dict[str, str | None]:
     def answer(case: Case) -> str | None:
         if case.answered:
             row = box.store().request_by_file(case.shown_name)
-            return None if row is None else ("accepted: " if row["accepted"] else "refused: ") + row["answer"]
+            return None if row is None else ("accepted: " if row.accepted else "refused: ") + row.answer
         return box.error_of(case)
 
     wait_for(lambda: all(answer(case) is not None for case in cases), 60, "every request to be answered or rejected")
@@ -315,7 +316,7 @@ def test_the_daemon_refuses_a_bad_request(case: Case, box: Box, request_answers:
         assert answer.startswith("refused: ")
     if box.alice_job is not None:
         alice = box.job(str(box.alice_job))
-        assert alice is not None and not alice["cancel_requested"] and alice["state"] in ("queued", "running")
+        assert alice is not None and not alice.cancel_requested and alice.state in ("queued", "running")
     assert box.daemon.alive()
 
 
@@ -376,9 +377,9 @@ def test_shell_syntax_in_a_commands_arguments_reaches_the_script_verbatim(box: B
     assert "queued" in submitted.stdout
     box.good_jobs.append("shell-syntax")
     finished = box.wait_job("shell-syntax")
-    assert finished["state"] == "finished", finished
+    assert finished.state == "finished", finished
     recorded = json.loads(record.read_text())
-    workdir = finished["workdir"]
+    workdir = finished.workdir
     expected = [argument.replace("{micro_batch}", "1").replace("{workdir}", workdir).replace("{{", "{").replace("}}", "}") for argument in SHELL_ARGUMENTS]
     assert recorded == {"argv": expected, "env": "$(id) `id` 1"}
     for folder in (box.folder, Path(workdir)):
@@ -407,10 +408,10 @@ def test_the_daemon_is_up_and_every_valid_job_finished(box: Box) -> None:
     box.release.touch()  # alice's job may end now
     for name in box.good_jobs:
         job = box.wait_job(name)
-        assert job["state"] == "finished", job
-        assert not job["cancel_requested"], job
+        assert job.state == "finished", job
+        assert not job.cancel_requested, job
     # Nothing else became a job: every bad input was refused before it reached the store.
-    assert sorted(job["name"] for job in box.store().jobs()) == sorted(box.good_jobs)
+    assert sorted(job.name for job in box.store().jobs()) == sorted(box.good_jobs)
     assert box.daemon.alive()
     output = box.daemon.output()
     assert "Traceback" not in output and "error while" not in output, output[-4000:]

@@ -197,7 +197,7 @@ def test_the_daemon_never_enters_a_workdir_for_its_owner(open_tmp: Path, account
             "command": {"argv": [sys.executable, "-c", "print('alice-secret-output')"], "cwd": "/"},
         }), alice)
         wait_for(lambda: (supervisor.tick(), supervisor.job_done(hers))[1], 60, "alice's job", interval=0.05)
-        alices_attempts = Path(store.job(hers)["workdir"]) / "attempts"
+        alices_attempts = Path(store.job(hers).workdir) / "attempts"
         assert "alice-secret-output" in (alices_attempts / "001" / "output.log").read_text()
 
         home = open_tmp / "bob"
@@ -230,7 +230,7 @@ def test_the_daemon_never_enters_a_workdir_for_its_owner(open_tmp: Path, account
         log = (workdir / "attempts" / "001" / "output.log").read_text()
         assert not loot.exists(), f"bob's command ran in alice's folder and copied her log: {log}"
         assert log.startswith(f"{workdir}\n"), log  # it ran in his own workdir, entered as bob
-        assert store.job(his)["state"] == "failed"  # no 001/output.log there
+        assert store.job(his).state == "failed"  # no 001/output.log there
     finally:
         store.close()
         kill_leftovers(open_tmp)

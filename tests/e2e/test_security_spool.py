@@ -151,7 +151,7 @@ def box(request: pytest.FixtureRequest) -> Iterator[Box]:
         blocker.write_text(command_job("blocker", [sys.executable, str(script), str(release)], priority=10**6))
         oomguard("submit", str(blocker), state_dir=daemon.state_dir, check=True)
         store = Store(StateDir(daemon.state_dir).database, readonly=True)
-        wait_for(lambda: store.job("blocker")["state"] == "running", 60, "root's job to run")
+        wait_for(lambda: store.job("blocker").state == "running", 60, "root's job to run")
         yield Box(folder=folder, daemon=daemon, accounts=accounts)
     finally:
         if daemon.alive():
@@ -175,10 +175,10 @@ def test_a_submit_under_names_bob_made_first_queues_alices_own_job(box: Box) -> 
     queued = re.fullmatch(r"job (\d+) \(alice-long\) queued\n", result.stdout)
     assert queued, result.stdout
     job = box.job(int(queued.group(1)))
-    assert (job["owner_uid"], job["name"]) == (alice.uid, "alice-long"), "alice's CLI reported a job that is not hers"
-    assert job["spool_file"] not in squatted
+    assert (job.owner_uid, job.name) == (alice.uid, "alice-long"), "alice's CLI reported a job that is not hers"
+    assert job.spool_file not in squatted
     for squat in bobs:  # bob's files are his own jobs, nothing more
-        assert (box.job(squat["id"])["owner_uid"], box.job(squat["id"])["name"]) == (bob.uid, "bob-squat")
+        assert (box.job(squat.id).owner_uid, box.job(squat.id).name) == (bob.uid, "bob-squat")
 
 
 def test_a_cancel_under_names_bob_made_first_gets_alices_own_answer(box: Box) -> None:
@@ -186,12 +186,12 @@ def test_a_cancel_under_names_bob_made_first_gets_alices_own_answer(box: Box) ->
     squatted = old_style_names(f"cancel-{victim}", ".request")
     box.bob_makes({name: json.dumps({"action": "cancel", "job": str(victim)}) for name in squatted})
     answers = wait_for(lambda: box.recorded(squatted, "requests"), 30, "bob's requests to be answered")
-    assert not any(answer["accepted"] for answer in answers)
+    assert not any(answer.accepted for answer in answers)
 
     result = box.run("alice", "cancel", str(victim), foreseeable=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout == f"cancel requested for job {victim} (alice-victim) by {box.accounts['alice'].name}: the daemon checkpoints and stops it\n"
-    assert wait_for(lambda: box.job(victim)["state"] == "cancelled", 30, "alice's job to be cancelled")
+    assert wait_for(lambda: box.job(victim).state == "cancelled", 30, "alice's job to be cancelled")
 
 
 def test_bob_replaying_names_alice_used_is_refused(box: Box) -> None:
@@ -214,9 +214,9 @@ def test_bob_replaying_names_alice_used_is_refused(box: Box) -> None:
     assert "give the file a new name" in errors[1].read_text()
     # alice's job, its file in accepted/ and her answer are as they were.
     job = box.job(replayed)
-    assert (job["owner_uid"], job["name"], job["cancel_requested"]) == (alice.uid, "alice-replayed", 0)
+    assert (job.owner_uid, job.name, job.cancel_requested) == (alice.uid, "alice-replayed", 0)
     assert accepted_copy.read_bytes() == before and accepted_copy.stat().st_uid == alice.uid
-    assert box.store().request_by_file(request_name)["requester"] == alice.name
+    assert box.store().request_by_file(request_name).requester == alice.name
     assert not box.store().db.execute("select 1 from jobs where name = 'bob-replay'").fetchone()
 
 
@@ -241,8 +241,8 @@ def test_a_job_of_bob_named_like_alices_does_not_shadow_hers(box: Box) -> None:
 
     cancelled = box.run("alice", "cancel", "shared-name")
     assert cancelled.returncode == 0 and f"cancel requested for job {hers} (shared-name)" in cancelled.stdout, cancelled.stderr
-    wait_for(lambda: box.job(hers)["state"] == "cancelled", 30, "alice's job to be cancelled")
-    assert (box.job(his)["state"], box.job(his)["cancel_requested"]) == ("queued", 0)
+    wait_for(lambda: box.job(hers).state == "cancelled", 30, "alice's job to be cancelled")
+    assert (box.job(his).state, box.job(his).cancel_requested) == ("queued", 0)
 
 
 def test_two_of_your_own_jobs_with_one_name_are_named_by_id(box: Box) -> None:
@@ -251,7 +251,7 @@ def test_two_of_your_own_jobs_with_one_name_are_named_by_id(box: Box) -> None:
         refused = box.run("alice", command, "twice")
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert f"several of your jobs are named 'twice': {first} (queued), {second} (queued); name the one you mean by its id" in refused.stderr
-    assert not box.job(first)["cancel_requested"] and not box.job(second)["cancel_requested"]
+    assert not box.job(first).cancel_requested and not box.job(second).cancel_requested
     assert box.run("alice", "cancel", str(first)).returncode == 0
 
 
@@ -267,5 +267,5 @@ def test_a_users_priority_is_capped_and_root_and_admins_are_not(box: Box) -> Non
     ) in greedy.stderr
     assert not box.store().db.execute("select 1 from jobs where name = 'bob-greedy'").fetchone()
 
-    assert box.job(box.submit("bob", "bob-fair", priority=100))["priority"] == 100
-    assert box.job(box.submit("carol", "carol-admin", priority=5000))["priority"] == 5000
+    assert box.job(box.submit("bob", "bob-fair", priority=100)).priority == 100
+    assert box.job(box.submit("carol", "carol-admin", priority=5000)).priority == 5000

@@ -94,19 +94,21 @@ def test_report_of_a_job_that_has_not_started(tmp_path: Path) -> None:
 
 
 def test_status_lists_the_running_the_head_of_the_queue_and_the_last_ended() -> None:
-    from oomguard.daemon.cli import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN, status_rows
+    from oomguard.daemon.cli.status import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN, status_rows
+    from tests.fakes import job_row
 
-    jobs = [{"id": i, "state": "queued", "priority": 0, "ended_at": None} for i in range(1, 101)]
-    jobs[49]["priority"] = 5  # job 50 runs before the others
-    jobs[3]["state"] = "running"
-    for i, job in enumerate(jobs[60:90]):
+    stored = [{"id": i, "state": "queued", "priority": 0, "ended_at": None} for i in range(1, 101)]
+    stored[49]["priority"] = 5  # job 50 runs before the others
+    stored[3]["state"] = "running"
+    for i, job in enumerate(stored[60:90]):
         job.update(state="finished" if i % 2 else "failed", ended_at=1000.0 - i)  # job 61 ended last
-    queue = sorted((j for j in jobs if j["state"] == "queued"), key=lambda j: (-j["priority"], j["id"]))  # as the store orders it
-    shown = [job["id"] for job in status_rows(jobs, queue, everything=False)]
+    jobs = [job_row(**job) for job in stored]
+    queue = sorted((j for j in jobs if j.state == "queued"), key=lambda j: (-j.priority, j.id))  # as the store orders it
+    shown = [job.id for job in status_rows(jobs, queue, everything=False)]
     queued = [1, 2, 3, *range(5, 50), *range(51, 61), *range(91, 101)]
     expected = {4, 50, *queued[: STATUS_QUEUED_SHOWN - 1], *range(61, 61 + STATUS_ENDED_SHOWN)}
     assert shown == sorted(expected)
-    assert [job["id"] for job in status_rows(jobs, queue, everything=True)] == list(range(1, 101))
+    assert [job.id for job in status_rows(jobs, queue, everything=True)] == list(range(1, 101))
 
 
 # A reader that goes away (`oomguard logs 1 | head`) ------------------------------------------------
@@ -126,7 +128,7 @@ def state_with_a_long_log(tmp_path: Path) -> Path:
     attempt_dir = tmp_path / "attempt"
     attempt_dir.mkdir()
     (attempt_dir / "output.log").write_text("".join(f"step {n} loss 0.5\n" for n in range(60_000)))
-    store.add_attempt(job_id=job_id, number=1, plan=store.job(job_id)["plan"], directory=str(attempt_dir), started_at=1.0)
+    store.add_attempt(job_id=job_id, number=1, plan=store.job(job_id).plan_json, directory=str(attempt_dir), started_at=1.0)
     store.close()
     return state.root
 
@@ -157,7 +159,7 @@ EVERY_COMMAND = [
 
 
 def test_the_pipe_test_covers_every_command() -> None:
-    from oomguard.daemon.cli import build_parser
+    from oomguard.daemon.cli.parser import build_parser
 
     commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands.choices) <= {command[0] for command in EVERY_COMMAND}

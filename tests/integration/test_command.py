@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.jobs.command import CommandError, CommandSpec, check, exposed_rungs, render
-from oomguard.jobs.spec import JobFileError, JobSpec, load_job_file, parse_job_text
+from oomguard.jobs.command import render
+from oomguard.jobs.spec import JobSpec, load_job_file, parse_job_text
+from oomguard.jobs.spec.command import CommandSpec, check, exposed_rungs
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.errors import CommandError, JobFileError
 from tests.conftest import as_root
 
 JOB = """\
@@ -327,7 +329,7 @@ def test_a_built_in_job_still_needs_its_learning_rate():
     ],
 )
 def test_the_script_a_command_runs_is_found_in_its_arguments(argv, script):
-    from oomguard.jobs.command import script_argument
+    from oomguard.jobs.spec.command_paths import script_argument
 
     assert script_argument(argv) == script
 

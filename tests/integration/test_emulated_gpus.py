@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.daemon.gpus import EmulatedGpus, NoGpus, NvmlGpus, open_gpus
+from oomguard.daemon.gpus import EmulatedGpus, NvmlGpus, open_gpus
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.store import Store
 from oomguard.jobs.emulated_gpus import AssignedGpu, EmulatedGpu, EmulatedGpuFolder, parse_gpus
+from oomguard.strategies.errors import NoGpus
 
 MiB = 2**20
 
@@ -95,7 +96,7 @@ def test_the_monitor_samples_into_the_store_and_stays_bounded(tmp_path: Path, sl
     for index in (0, 1):
         kept = store.gpu_samples(index)
         assert 10 <= len(kept) <= 20
-        times = [row["at"] for row in kept]
+        times = [row.at for row in kept]
         assert times == sorted(times)
     latest = store.latest_gpu_samples()
-    assert [(row["gpu"], row["used"], row["name"]) for row in latest] == [(0, 8 * MiB, "emulated 64.00 MiB"), (1, 0, "emulated 64.00 MiB")]
+    assert [(row.gpu, row.used, row.name) for row in latest] == [(0, 8 * MiB, "emulated 64.00 MiB"), (1, 0, "emulated 64.00 MiB")]

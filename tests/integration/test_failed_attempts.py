@@ -62,12 +62,14 @@ def test_a_script_that_fails_the_same_way_twice_ends_at_its_second_attempt_quoti
     job_id = supervisor.add_job(command_job([sys.executable, "train.py"], cwd=tmp_path), Account.current())
     job = run_until_it_ends(supervisor, store, job_id)
 
-    assert job["state"] == "failed" and len(store.attempts(job_id)) == 2  # not three: the crash repeated itself
-    assert job["result"] == f"the attempt crashed twice in a row at step 0 with the same error: {MISSING_CSV}"
-    assert "[ladder]" not in job["report"] and "does not allow" not in job["report"]
-    ended = [e["message"] for e in store.events(job_id) if e["kind"] == "attempt-ended"]
-    assert ended == [f"attempt {n} (started at step 0) ended: crashed at step 0: {MISSING_CSV}" for n in (1, 2)]
-    retry = next(e["message"] for e in store.events(job_id) if e["kind"] == "retry")
+    assert job.state == "failed" and len(store.attempts(job_id)) == 2  # not three: the crash repeated itself
+    assert job.result == f"the attempt crashed twice in a row at step 0 with the same error: {MISSING_CSV}"
+    assert "[ladder]" not in job.report and "does not allow" not in job.report
+    ended = [(e.code, e.data["attempt"], e.data["step"]) for e in store.events(job_id) if e.kind == "attempt-ended"]
+    assert ended == [("crashed", 1, 0), ("crashed", 2, 0)]
+    assert store.events(job_id)[-1].code == "gave_up"
+    # A message test on purpose: the retry says what the script died of, in its own words.
+    retry = next(e.message for e in store.events(job_id) if e.kind == "retry")
     assert MISSING_CSV in retry
 
     (failed,) = [facts for facts in notifications.sent if facts.event == "failed"]
@@ -104,9 +106,9 @@ def test_a_cwd_gone_by_the_time_the_job_starts_is_named(tmp_path: Path, daemon_p
     supervisor = Supervisor(state, store, notifier=notifications)  # type: ignore[arg-type]
     job_id = supervisor.add_job(command_job([sys.executable, "train.py"], cwd=gone), Account.current())
     job = run_until_it_ends(supervisor, store, job_id)
-    assert job["state"] == "failed" and len(store.attempts(job_id)) == 2
-    assert job["result"].endswith(f"the same error: FileNotFoundError: [Errno 2] No such file or directory: '{gone}'")
-    log = (Path(store.attempts(job_id)[0]["directory"]) / "output.log").read_text()
+    assert job.state == "failed" and len(store.attempts(job_id)) == 2
+    assert job.result.endswith(f"the same error: FileNotFoundError: [Errno 2] No such file or directory: '{gone}'")
+    log = (Path(store.attempts(job_id)[0].directory) / "output.log").read_text()
     assert f"oomguard: cannot start {sys.executable} in its [command] cwd {gone}: No such file or directory" in log
     (failed,) = notifications.sent
     assert "fix the script and resubmit" in failed.next_step and "allow" not in failed.next_step
@@ -118,7 +120,7 @@ def test_a_cancelled_job_gets_no_ladder_advice(tmp_path: Path, daemon_parts) -> 
     job_id = supervisor.add_job(command_job([sys.executable, "-c", "pass"], cwd=tmp_path), Account.current())
     store.request_cancel(job_id)
     job = run_until_it_ends(supervisor, store, job_id)
-    assert job["state"] == "cancelled" and job["report"] is None
+    assert job.state == "cancelled" and job.report is None
     assert all("allow" not in facts.next_step for facts in notifications.sent)
 
 
@@ -134,5 +136,5 @@ def test_the_jobs_owner_enters_its_cwd_not_the_daemon(open_tmp: Path, accounts, 
     job_id = supervisor.add_job(command_job([sys.executable, "-c", "print('ran')"], cwd=private), accounts["alice"])
     job = run_until_it_ends(supervisor, store, job_id)
     store.close()
-    assert job["state"] == "failed"
-    assert job["result"].endswith(f"the same error: PermissionError: [Errno 13] Permission denied: '{private}'")
+    assert job.state == "failed"
+    assert job.result.endswith(f"the same error: PermissionError: [Errno 13] Permission denied: '{private}'")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from oomguard.jobs.device_memory import EmulatedDevice
-from oomguard.jobs.memory_cap import DeviceMemory
+from oomguard.jobs.memory_cap import DeviceMemory, HostMemory
 from oomguard.jobs.optimizers import CODES_KEY, HostOffloadedOptimizer, build_optimizer, device_state_tensors, load_portable_state_dict, portable_state_dict
 from oomguard.strategies.plan import Plan
 from tests.integration.test_adapters import tiny_unet
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def NoDevice() -> DeviceMemory:
     """The runner's memory view without a cap: nothing is counted."""
-    return DeviceMemory(None, torch.device("cpu"))
+    return HostMemory()
 
 
 def without_key_biases(model: torch.nn.Module) -> torch.nn.Module:

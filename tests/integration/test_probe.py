@@ -8,7 +8,8 @@ import importlib
 import torch
 
 from oomguard.jobs.attempt import Control
-from oomguard.jobs.memory_cap import DeviceMemory
+from oomguard.jobs.device import DeviceSpec
+from oomguard.jobs.memory_cap import open_device_memory
 from oomguard.jobs.probe import measure
 from oomguard.jobs.sizes import CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
@@ -26,7 +27,7 @@ CPU = torch.device("cpu")
 
 
 def measured(plan, cap: int):
-    memory = DeviceMemory(CapSchedule(((0, cap),)), CPU)
+    memory = open_device_memory(DeviceSpec(CapSchedule(((0, cap),))), CPU)
     control = Control()
     with memory:
         result, oom = measure(make_trainer(JOB), JOB, plan, CPU, memory, control)
@@ -57,7 +58,7 @@ def test_an_oom_is_a_measurement_and_an_outcome():
 
 def test_a_process_with_memory_left_behind_is_unfit_to_continue():
     capacity = 50_000
-    memory = DeviceMemory(CapSchedule(((0, capacity),)), CPU)
+    memory = open_device_memory(DeviceSpec(CapSchedule(((0, capacity),))), CPU)
     with memory:
         kept = torch.zeros(250)  # 1000 bytes on the emulated device
         assert unfit_to_continue(memory, baseline=1000) is None

@@ -52,38 +52,38 @@ def test_attempt_files_of_the_wrong_shape_end_the_attempt_not_the_daemon(tmp_pat
     state, store = state_and_store(tmp_path)
     supervisor = Supervisor(state, store)
     job_id = supervisor.add_job(tiny_job(), Account.current())
-    attempt_dir = Path(store.job(job_id)["workdir"]) / "attempts" / "001"
+    attempt_dir = Path(store.job(job_id).workdir) / "attempts" / "001"
     attempt_dir.mkdir(parents=True)
     (attempt_dir / "outcome.json").write_text(json.dumps({"kind": "oom", "memory": "lots", "plan": 7}))
     (attempt_dir / "exit.json").write_text("[1]")
     (attempt_dir / "heartbeat.json").write_text(json.dumps({"recoveries": 5}))
     pid, started = ended_process()
-    supervisor.lifecycle.start(store.job(job_id), number=1, plan=store.job(job_id)["plan"], directory=str(attempt_dir), pid=pid, pid_started=started, started_at=1.0)
+    supervisor.lifecycle.start(store.job(job_id), number=1, plan=store.job(job_id).plan_json, directory=str(attempt_dir), pid=pid, pid_started=started, started_at=1.0)
 
     again = Supervisor(state, store)  # a restarted daemon adopts the attempt, which has ended
     again.stopping = True  # collect only; start nothing
     again.tick()
 
     (attempt,) = store.attempts(job_id)
-    assert attempt["outcome_kind"] == "crashed" and "outcome.json cannot be read" in json.loads(attempt["outcome"])["message"]
+    assert attempt.outcome_kind == "crashed" and "outcome.json cannot be read" in attempt.outcome.message
     job = store.job(job_id)
-    assert job["state"] == "queued"  # a crash retry with the same plan
-    assert [e["kind"] for e in store.events(job_id)][-2:] == ["attempt-ended", "retry"]
+    assert job.state == "queued"  # a crash retry with the same plan
+    assert [e.kind for e in store.events(job_id)][-2:] == ["attempt-ended", "retry"]
 
 
 def test_an_attempt_recorded_before_its_shim_started_is_not_run_twice(tmp_path: Path) -> None:
     state, store = state_and_store(tmp_path)
     supervisor = Supervisor(state, store)
     job_id = supervisor.add_job(tiny_job(), Account.current())
-    attempt_dir = Path(store.job(job_id)["workdir"]) / "attempts" / "001"
+    attempt_dir = Path(store.job(job_id).workdir) / "attempts" / "001"
     # The daemon died after recording the attempt and before starting its shim.
-    supervisor.lifecycle.start(store.job(job_id), number=1, plan=store.job(job_id)["plan"], directory=str(attempt_dir), started_at=1.0)
+    supervisor.lifecycle.start(store.job(job_id), number=1, plan=store.job(job_id).plan_json, directory=str(attempt_dir), started_at=1.0)
     again = Supervisor(state, store)
     again.stopping = True
     again.tick()
     (attempt,) = store.attempts(job_id)
-    assert attempt["outcome_kind"] == "interrupted"
-    assert store.job(job_id)["state"] == "queued"
+    assert attempt.outcome_kind == "interrupted"
+    assert store.job(job_id).state == "queued"
 
 
 def test_a_job_left_running_without_an_attempt_is_queued_again(tmp_path: Path) -> None:
@@ -93,8 +93,8 @@ def test_a_job_left_running_without_an_attempt_is_queued_again(tmp_path: Path) -
     # running with its attempt, in one transaction): written here by hand.
     store.update_job(job_id, state="running")
     Supervisor(state, store)
-    assert store.job(job_id)["state"] == "queued"
-    assert store.events(job_id)[-1]["kind"] == "requeued"
+    assert store.job(job_id).state == "queued"
+    assert store.events(job_id)[-1].kind == "requeued"
 
 
 def test_users_read_the_store_while_the_daemon_is_down(tmp_path: Path) -> None:
@@ -103,7 +103,7 @@ def test_users_read_the_store_while_the_daemon_is_down(tmp_path: Path) -> None:
     store.close()
     assert not Path(f"{state.database}-wal").exists()
     reader = Store(state.database, readonly=True)
-    assert [job["name"] for job in reader.jobs()] == ["tiny"]
+    assert [job.name for job in reader.jobs()] == ["tiny"]
 
 
 def test_bad_usage_files_on_an_emulated_gpu_are_ignored(tmp_path: Path) -> None:
@@ -132,11 +132,13 @@ def test_a_job_that_waits_too_long_for_a_gpu_is_reported_once(tmp_path: Path) ->
         neighbour.kill()
         neighbour.wait()
     job = store.job(job_id)
-    assert job["state"] == "queued" and "the job's need is not known yet" in job["waiting"]
-    kinds = [e["kind"] for e in store.events(job_id)]
+    assert job.state == "queued" and "the job's need is not known yet" in job.waiting
+    kinds = [e.kind for e in store.events(job_id)]
     assert kinds.count("waiting") == 1 and kinds.count("stalled") == 1
-    (stalled,) = [e for e in store.events(job_id) if e["kind"] == "stalled"]
-    assert stalled["message"].startswith("queued and waiting for 0 s: needs 1 GPU: GPU 0 has 4.0 MiB free of 64.0 MiB")
+    (stalled,) = [e for e in store.events(job_id) if e.kind == "stalled"]
+    assert stalled.code == "waiting_too_long" and stalled.data["seconds"] >= 0.0
+    waiting = next(e for e in store.events(job_id) if e.kind == "waiting")
+    assert waiting.code == "no_room" and stalled.message.endswith(waiting.message)  # the stall says what it waits for
 
 
 def test_ranks_that_outlive_a_killed_shim_are_killed_when_the_attempt_is_collected(tmp_path: Path) -> None:
@@ -145,7 +147,7 @@ def test_ranks_that_outlive_a_killed_shim_are_killed_when_the_attempt_is_collect
     state, store = state_and_store(tmp_path)
     supervisor = Supervisor(state, store)
     job_id = supervisor.add_job(tiny_job(), Account.current())
-    attempt_dir = Path(store.job(job_id)["workdir"]) / "attempts" / "001"
+    attempt_dir = Path(store.job(job_id).workdir) / "attempts" / "001"
     attempt_dir.mkdir(parents=True)
     rank = subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True,
@@ -154,14 +156,14 @@ def test_ranks_that_outlive_a_killed_shim_are_killed_when_the_attempt_is_collect
     try:
         pid, started = ended_process()
         supervisor.lifecycle.start(
-            store.job(job_id), number=1, plan=store.job(job_id)["plan"], directory=str(attempt_dir), pid=pid, pid_started=started, started_at=1.0,
+            store.job(job_id), number=1, plan=store.job(job_id).plan_json, directory=str(attempt_dir), pid=pid, pid_started=started, started_at=1.0,
         )
         assert processes.marked_with(str(attempt_dir)) == {rank.pid}
         again = Supervisor(state, store)
         again.stopping = True  # collect only; start nothing
         again.tick()
         assert rank.wait(timeout=10) == -9
-        assert store.attempts(job_id)[0]["ended_at"] is not None
+        assert store.attempts(job_id)[0].ended_at is not None
     finally:
         rank.kill()
         rank.wait()

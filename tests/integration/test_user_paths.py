@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 from oomguard.daemon.shim import CANNOT_USE_FOLDER, EXIT_STATUS
-from oomguard.daemon.users import PermissionRefused, make_user_directory
-from oomguard.jobs import spec as spec_module
-from oomguard.jobs.attempt import AttemptFiles, UnsafeFolder, open_folder
-from oomguard.jobs.spec import JobFileError, parse_job_text
+from oomguard.daemon.as_user import make_user_directory
+from oomguard.jobs.spec import unconditional as spec_module
+from oomguard.jobs.attempt import AttemptFiles, open_folder
+from oomguard.jobs.spec import parse_job_text
+from oomguard.strategies.errors import JobFileError, PermissionRefused, UnsafeFolder
 from tests.conftest import as_root
 
 # ------------------------------------------------------------------------- opening a user's folder
@@ -128,17 +129,17 @@ def test_make_user_directory_returns_the_real_path_for_ourselves(tmp_path: Path)
 
 @as_root
 def test_a_users_path_that_does_not_answer_holds_the_daemon_once_not_at_every_file(accounts, open_tmp: Path, monkeypatch) -> None:
-    from oomguard.daemon import users
+    from oomguard.daemon import as_user
 
-    monkeypatch.setattr(users, "_slow_since", {})
+    monkeypatch.setattr(as_user, "_slow_since", {})
     calls: list[list[str]] = []
 
     def hangs(argv: list[str], **options: object) -> None:
         calls.append(argv)
-        assert options["timeout"] == users.USER_PATH_SECONDS and options["cwd"] == "/"
-        raise subprocess.TimeoutExpired(argv, users.USER_PATH_SECONDS)
+        assert options["timeout"] == as_user.USER_PATH_SECONDS and options["cwd"] == "/"
+        raise subprocess.TimeoutExpired(argv, as_user.USER_PATH_SECONDS)
 
-    monkeypatch.setattr(users.subprocess, "run", hangs)
+    monkeypatch.setattr(as_user.subprocess, "run", hangs)
     alice, bob = accounts["alice"], accounts["bob"]
     with pytest.raises(PermissionRefused, match=r"mkdir did not answer within 5 s \(a file system that does not answer\?\)"):
         make_user_directory(open_tmp / "fuse" / "w1", alice)
@@ -240,7 +241,7 @@ def test_a_data_folder_the_user_may_not_read_says_so_and_how_to_fix_it(accounts,
     closed = open_tmp / "closed"
     closed.mkdir(mode=0o700)  # root's: alice may see it exists (its parent is public), not read it
     script = (
-        "import sys; from oomguard.jobs.spec import parse_job_text, JobFileError\n"
+        "import sys; from oomguard.jobs.spec import parse_job_text; from oomguard.strategies.errors import JobFileError\n"
         "try: parse_job_text(sys.stdin.read(), 'job.toml')\n"
         "except JobFileError as e: print(e)\n"
     )

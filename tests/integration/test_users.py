@@ -17,20 +17,9 @@ from pathlib import Path
 import pytest
 
 from oomguard.daemon import users
-from oomguard.daemon.users import (
-    Account,
-    InsecureStateDir,
-    PermissionRefused,
-    UnknownUser,
-    check_may_change,
-    child_environment,
-    file_owner,
-    make_user_directory,
-    read_owned_file,
-    secure_state_dir,
-    spawn_options,
-    system_mode,
-)
+from oomguard.daemon.as_user import child_environment, make_user_directory, spawn_options
+from oomguard.daemon.users import Account, check_may_change, file_owner, read_owned_file, secure_state_dir, system_mode
+from oomguard.strategies.errors import InsecureStateDir, PermissionRefused, UnknownUser
 
 from tests.conftest import ADMIN, ALICE, BOB, EXTRA, as_root, group_exists
 

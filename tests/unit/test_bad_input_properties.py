@@ -26,9 +26,12 @@ from oomguard.daemon.paths import StateDir
 from oomguard.daemon.spool import REQUEST_SUFFIX, Spool, safe_name
 from oomguard.daemon.store import Store
 from oomguard.daemon.supervisor import Supervisor
-from oomguard.jobs.command import PLACEHOLDERS, WHEN_KNOBS, CommandError, CommandSpec, check, render
-from oomguard.jobs.spec import JobFileError, JobSpec, load_job_file, parse_job_text
+from oomguard.jobs.command import render
+from oomguard.jobs.spec import JobSpec, load_job_file, parse_job_text
+from oomguard.jobs.spec.command import CommandSpec, check
+from oomguard.jobs.spec.keys import PLACEHOLDERS, WHEN_KNOBS
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.errors import CommandError, JobFileError
 from tests.conftest import spooled_supervisor
 
 FAST = settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from oomguard.jobs import checkpoints
-from oomguard.jobs.checkpoints import MANIFEST, Checkpoint, CheckpointError
+from oomguard.jobs.checkpoints import MANIFEST, Checkpoint
+from oomguard.strategies.errors import CheckpointError
 
 PLAN = {"batch_size": 8, "micro_batch": 4, "grad_accum": 2}
 

@@ -8,7 +8,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from oomguard.jobs.device_memory import EmulatedDevice, OOMInfo, cuda_oom_message, limit_cuda_memory
-from oomguard.jobs.sizes import CapSchedule, format_size
+from oomguard.jobs.sizes import CapSchedule
+from oomguard.strategies.units import format_torch_size
 
 KiB, MiB = 1024, 1024**2
 
@@ -265,10 +266,10 @@ def test_forward_backward_under_too_small_cap_raises_cuda_style_oom():
     match = CUDA_OOM_RE.fullmatch(str(info.value))
     assert match is not None, str(info.value)
     assert oom.message == str(info.value)
-    assert match["requested"] == format_size(oom.requested)
-    assert match["total"] == format_size(oom.total)
-    assert match["free"] == format_size(oom.free)
-    assert match["allocated"] == match["in_use"] == format_size(oom.allocated)
+    assert match["requested"] == format_torch_size(oom.requested)
+    assert match["total"] == format_torch_size(oom.total)
+    assert match["free"] == format_torch_size(oom.free)
+    assert match["allocated"] == match["in_use"] == format_torch_size(oom.allocated)
     assert oom.total == param_bytes + 96 * KiB
     assert oom.requested > oom.free
     assert oom.allocated + oom.requested > oom.total
@@ -384,7 +385,7 @@ def test_gradient_checkpointing_lowers_the_peak():
     activation = 512 * 256 * 4  # 512 KiB per block output
     # Without checkpointing each block keeps its Linear output and GELU output for backward;
     # with it only the block inputs are kept and one block is recomputed at a time.
-    print(f"peak without checkpointing {format_size(plain_peak)}, with {format_size(ckpt_peak)}")
+    print(f"peak without checkpointing {format_torch_size(plain_peak)}, with {format_torch_size(ckpt_peak)}")
     assert plain_peak - ckpt_peak >= 6 * activation
     assert all(torch.allclose(a, b) for a, b in zip(plain_grads, ckpt_grads))
 

@@ -8,16 +8,14 @@ from oomguard.strategies.doctor import (
     GiveUp,
     NextPlan,
     PastAttempt,
-    Policy,
     Retry,
     Wait,
     decide,
     describe_oom,
-    format_bytes,
-    is_fragmentation,
     report,
 )
 from oomguard.strategies.memory_model import Measurement
+from oomguard.strategies.oom_judge import is_fragmentation
 from oomguard.strategies.outcome import (
     EXIT_CRASHED,
     EXIT_DIVERGED,
@@ -30,7 +28,9 @@ from oomguard.strategies.outcome import (
     exception_line,
 )
 from oomguard.strategies.plan import EXPANDABLE_SEGMENTS, Plan
+from oomguard.strategies.policy import Policy
 from oomguard.strategies.rungs import exact_names, names
+from oomguard.strategies.units import format_bytes
 
 RUNG_NAMES, EXACT_RUNG_NAMES = names(), exact_names()
 

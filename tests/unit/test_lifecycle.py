@@ -11,6 +11,7 @@ import pytest
 from oomguard.daemon.events import Events
 from oomguard.daemon.lifecycle import ENDED, TRANSITIONS, IllegalTransition, Lifecycle, State, check
 from oomguard.daemon.store import TERMINAL_STATES, Store
+from oomguard.daemon.store_rows import JobRow
 from tests.fakes import FakeClock
 
 ALLOWED = [(before, after) for before, afters in TRANSITIONS.items() for after in sorted(afters)]
@@ -44,42 +45,43 @@ def lifecycle(tmp_path: Path) -> Lifecycle:
     return Lifecycle(store, events, clock)
 
 
-def enqueue(lifecycle: Lifecycle, tmp_path: Path) -> dict:
+def enqueue(lifecycle: Lifecycle, tmp_path: Path) -> JobRow:
     job_id = lifecycle.enqueue(
         name="j", owner="me", owner_uid=0, spec={}, priority=0, workdir=None, plan={"batch_size": 4, "micro_batch": 4}, spool_file=None,
-        emulate_device_memory=None, jobs_root=tmp_path,
+        jobs_root=tmp_path,
     )
     return lifecycle.store.job(job_id)
 
 
 def test_a_job_runs_and_ends_through_the_lifecycle(lifecycle: Lifecycle, tmp_path: Path) -> None:
     job = enqueue(lifecycle, tmp_path)
-    assert job["state"] == "queued"
-    lifecycle.note_waiting(job, "needs 1 GPU")
-    assert lifecycle.store.job(job["id"])["waiting"] == "needs 1 GPU"
-    attempt_id = lifecycle.start(lifecycle.store.job(job["id"]), number=1, plan="{}", directory="/a/001", started_at=5.0)
-    job = lifecycle.store.job(job["id"])
-    assert job["state"] == "running" and job["waiting"] is None and job["started_at"] == 5.0
-    assert lifecycle.store.attempts(job["id"])[0]["id"] == attempt_id
-    lifecycle.end(job, State.FINISHED, "finished 4 steps")
-    job = lifecycle.store.job(job["id"])
-    assert (job["state"], job["result"], job["ended_at"]) == ("finished", "finished 4 steps", lifecycle.clock.time())
-    assert [e["kind"] for e in lifecycle.store.events(job["id"])] == ["waiting", "finished"]
+    assert job.state == "queued"
+    lifecycle.note_waiting(job, "needs 1 GPU", code="no_room")
+    assert lifecycle.store.job(job.id).waiting == "needs 1 GPU"
+    attempt_id = lifecycle.start(lifecycle.store.job(job.id), number=1, plan="{}", directory="/a/001", started_at=5.0)
+    job = lifecycle.store.job(job.id)
+    assert job.state == "running" and job.waiting is None and job.started_at == 5.0
+    assert lifecycle.store.attempts(job.id)[0].id == attempt_id
+    lifecycle.end(job, State.FINISHED, "finished 4 steps", code="finished", data={"step": 4})
+    job = lifecycle.store.job(job.id)
+    assert (job.state, job.result, job.ended_at) == ("finished", "finished 4 steps", lifecycle.clock.time())
+    events = lifecycle.store.events(job.id)
+    assert [(e.kind, e.code, e.data) for e in events] == [("waiting", "no_room", {}), ("finished", "finished", {"step": 4})]
 
 
 def test_an_ended_job_never_moves_again(lifecycle: Lifecycle, tmp_path: Path) -> None:
     job = enqueue(lifecycle, tmp_path)
-    lifecycle.end(job, State.CANCELLED, "cancelled before its next attempt started")
+    lifecycle.end(job, State.CANCELLED, "cancelled before its next attempt started", code="cancelled_queued")
     with pytest.raises(IllegalTransition, match="from cancelled to running"):
         lifecycle.start(job, number=1, plan="{}", directory="/a/001", started_at=5.0)
     with pytest.raises(IllegalTransition, match="from cancelled to queued"):
-        lifecycle.requeue(job, "again")
-    assert lifecycle.store.job(job["id"])["state"] == "cancelled" and lifecycle.store.attempts(job["id"]) == []
+        lifecycle.requeue(job, "again", code="daemon_stopped")
+    assert lifecycle.store.job(job.id).state == "cancelled" and lifecycle.store.attempts(job.id) == []
 
 
 def test_a_queued_job_cannot_finish_and_queued_does_not_end_a_job(lifecycle: Lifecycle, tmp_path: Path) -> None:
     job = enqueue(lifecycle, tmp_path)
     with pytest.raises(IllegalTransition, match="from queued to finished"):
-        lifecycle.end(job, State.FINISHED, "finished")
+        lifecycle.end(job, State.FINISHED, "finished", code="finished")
     with pytest.raises(IllegalTransition, match="queued does not end a job"):
-        lifecycle.end(job, State.QUEUED, "?")
+        lifecycle.end(job, State.QUEUED, "?", code="?")

@@ -8,10 +8,11 @@ import math
 import pytest
 
 from oomguard.strategies import planner
-from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Policy, decide, decide_in_process
+from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, decide, decide_in_process
 from oomguard.strategies.memory_model import MARGIN_MEASURED, Measurement, MemoryModel, shape_of
 from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.policy import Policy
 from oomguard.strategies.rungs import checkpointing, exact_names, names
 
 RUNG_NAMES, EXACT_RUNG_NAMES = names(), exact_names()

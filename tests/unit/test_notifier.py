@@ -12,16 +12,10 @@ from pathlib import Path
 import apprise
 import pytest
 
-from oomguard.daemon.notifier import (
-    DEFAULT_EVENTS,
-    EVENTS,
-    JobFacts,
-    Notifier,
-    compose,
-    default_config_paths,
-    redact_text,
-    redact_url,
-)
+from oomguard.daemon.notifier import Notifier
+from oomguard.daemon.notify_config import default_config_paths
+from oomguard.daemon.notify_message import DEFAULT_EVENTS, EVENTS, JobFacts, compose
+from oomguard.daemon.notify_redact import redact_text, redact_url
 
 MiB, GiB = 1024**2, 1024**3
 

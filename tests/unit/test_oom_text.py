@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.daemon.supervisor import outcome_without_report
-from oomguard.strategies.oom_text import OomVerdict, describe_size, read_oom, read_oom_log, size_bytes
+from oomguard.strategies.oom_text import read_oom, read_oom_log
+from oomguard.strategies.oom_verdict import OomVerdict
 
 MESSAGES = Path(__file__).parents[1] / "oom_messages"
 FIXTURES = sorted(MESSAGES.glob("*.txt"))
@@ -177,32 +178,6 @@ def test_the_emulated_device_message_reads_back_exactly() -> None:
                            (figures.allocated, allocated), (figures.reserved, reserved)]:
             assert read is not None and abs(read - true) <= max(true, 1024) * 0.0001 + 0.005 * 2**20
         assert verdict.kind == ("oom_fragmentation" if reserved - allocated >= requested else "oom")
-
-
-@pytest.mark.parametrize(
-    ("number", "unit", "binary_kb", "expected"),
-    [
-        ("20.00", "MiB", False, 20 * 2**20),
-        ("7.79", "GiB", False, round(Decimal("7.79") * 2**30)),
-        ("123456", "bytes", False, 123456),
-        ("0", "bytes", False, 0),
-        ("1024.00", "KiB", False, 2**20),
-        ("1.00", "TiB", False, 2**40),
-        ("1.2", "GB", True, round(Decimal("1.2") * 2**30)),  # MPS: 1024-based, labelled GB
-        ("1.2", "GB", False, 1_200_000_000),
-        ("768.00", "MB", True, 768 * 2**20),
-        ("5", "KB", False, 5000),
-        ("3206250496", "B", False, 3206250496),
-    ],
-)
-def test_size_bytes(number: str, unit: str, binary_kb: bool, expected: int) -> None:
-    assert size_bytes(number, unit, binary_kb=binary_kb) == expected
-
-
-def test_describe_size() -> None:
-    assert [describe_size(n) for n in (None, 0, 1023, 2048, 5 * 2**20, 3 * 2**30 // 2)] == [
-        "?", "0 bytes", "1023 bytes", "2.00 KiB", "5.00 MiB", "1.50 GiB",
-    ]
 
 
 def test_read_oom_log_reads_the_tail_of_a_big_file(tmp_path: Path) -> None:

@@ -9,11 +9,14 @@ from typing import Any
 
 import pytest
 
-from oomguard.daemon.report import ReportData, ReportError, _memory_unit, _time_unit, draw_report, load_report
+from oomguard.daemon.report import load_report
+from oomguard.daemon.report_data import ReportData
+from oomguard.daemon.report_plot import draw_report
 from oomguard.daemon.store import Store
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.errors import ReportError
 
 T0 = 1_700_000_000.0
 MiB = 2**20
@@ -32,7 +35,7 @@ def store(tmp_path: Path) -> Store:
 def add_job(store: Store, tmp_path: Path, **fields: Any) -> int:
     job_id = store.add_job(
         name="faces", owner="alice", spec={"name": "faces"}, priority=0, workdir=str(tmp_path / "work"),
-        plan=WIDE.to_dict(), spool_file=None, emulate_device_memory="48MiB", jobs_root=tmp_path / "jobs",
+        plan=WIDE.to_dict(), spool_file=None, jobs_root=tmp_path / "jobs",
     )
     if fields:
         store.update_job(job_id, **fields)
@@ -213,12 +216,3 @@ def test_a_job_without_attempts_has_nothing_to_draw(store: Store, tmp_path: Path
     with pytest.raises(ReportError, match=r"job 1 \(faces\) has no attempts yet \(it is queued\).*`oomguard report 1` again"):
         load(store, job_id)
 
-
-@pytest.mark.parametrize(("span_s", "unit"), [(59, "s"), (600, "min"), (5 * 3600, "h"), (9 * 86400, "days")])
-def test_the_time_axis_unit_follows_the_jobs_length(span_s: float, unit: str) -> None:
-    assert _time_unit(span_s)[0] == unit
-
-
-@pytest.mark.parametrize(("largest", "unit"), [(300 * 2**10, "KiB"), (48 * MiB, "MiB"), (80 * 2**30, "GiB")])
-def test_the_memory_axis_unit_follows_the_largest_value(largest: int, unit: str) -> None:
-    assert _memory_unit(largest)[0] == unit

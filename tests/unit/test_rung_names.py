@@ -23,7 +23,9 @@ PRODUCT = ("daemon", "jobs", "strategies")
 ALLOWED: dict[tuple[str, str], str] = {
     # The job file's `[train] micro_batch` key (the micro-batch a job starts with), parsed and
     # reported under that key; the rung is strategies/rungs/micro_batch.py.
-    ("jobs/spec.py", "micro_batch"): "the job-file key train.micro_batch",
+    ("jobs/spec/keys.py", "micro_batch"): "the job-file key train.micro_batch",
+    ("jobs/spec/common.py", "micro_batch"): "the job-file key train.micro_batch",
+    ("jobs/spec/command.py", "micro_batch"): "the job-file key train.micro_batch (checked against [command] processes)",
 }
 
 

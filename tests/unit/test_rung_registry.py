@@ -8,12 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.jobs.command import CommandSpec, check, exposed_rungs, render, when_keys
+from oomguard.jobs.command import render
+from oomguard.jobs.spec.command import CommandSpec, check, exposed_rungs
+from oomguard.jobs.spec.keys import when_keys
 from oomguard.strategies import planner, rungs
-from oomguard.strategies.doctor import NextPlan, PastAttempt, Policy, decide
+from oomguard.strategies.doctor import NextPlan, PastAttempt, decide
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.policy import Policy
 from oomguard.strategies.rungs.base import CommandSide, MemoryTerms, Rung, WhenKey
 
 MiB = 2**20

@@ -10,6 +10,7 @@ from oomguard.daemon.scheduler import measure_need, pass_signature, same_reason,
 from oomguard.strategies.memory_model import MARGIN_RAN, Measurement
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from tests.fakes import attempt_row, job_row
 from tests.jobs_helpers import tiny_job
 
 
@@ -20,7 +21,7 @@ def test_without_gpus_one_runs_at_a_time_unless_max_parallel_says_otherwise() ->
 
 
 def test_a_pass_sees_the_same_thing_while_free_memory_moves_within_a_256th() -> None:
-    queued = [{"id": 1, "plan": "{}", "wait_free_bytes": None, "cancel_requested": 0}]
+    queued = [job_row(id=1, plan="{}")]
     gpu = SimpleNamespace(index=0, free=1000 * 2**20, total=2**30, processes=[])
     moved_a_little = SimpleNamespace(index=0, free=1000 * 2**20 + 2**20 // 2, total=2**30, processes=[])
     moved_a_lot = SimpleNamespace(index=0, free=500 * 2**20, total=2**30, processes=[])
@@ -32,13 +33,13 @@ def test_a_pass_sees_the_same_thing_while_free_memory_moves_within_a_256th() -> 
 def test_a_job_needs_what_its_plan_measured_with_a_margin_else_what_its_file_says() -> None:
     spec = tiny_job()
     plan = spec.initial_plan()
-    job = {"plan": json.dumps(plan.to_dict()), "wait_free_bytes": None}
+    job = job_row(plan=json.dumps(plan.to_dict()))
     assert measure_need(job, spec, []) == Need(gpus=spec.resources.gpus, share=spec.resources.share, free_bytes=spec.resources.memory)
     ran = Outcome(kind="oom", measurements=(Measurement(plan=plan, peak_bytes=100 * 2**20, fits=True),))
     other = Outcome(kind="oom", measurements=(Measurement(plan=Plan.from_dict({**plan.to_dict(), "micro_batch": 1, "grad_accum": plan.batch_size}), peak_bytes=10**12, fits=True),))
-    attempts = [{"outcome": json.dumps(ran.to_dict())}, {"outcome": json.dumps(other.to_dict())}, {"outcome": None}]
+    attempts = [attempt_row(outcome=json.dumps(ran.to_dict())), attempt_row(outcome=json.dumps(other.to_dict())), attempt_row(outcome=None)]
     assert measure_need(job, spec, attempts).free_bytes == int(100 * 2**20 * (1 + MARGIN_RAN))
-    assert measure_need({**job, "wait_free_bytes": 5}, spec, attempts).free_bytes == 5  # after contention: what it waits for
+    assert measure_need(job_row(plan=json.dumps(plan.to_dict()), wait_free_bytes=5), spec, attempts).free_bytes == 5  # after contention: what it waits for
 
 
 def test_a_reason_to_wait_is_the_same_whatever_its_numbers() -> None:

@@ -1,91 +1,11 @@
+"""Capacity schedules (the sizes themselves: tests/unit/test_units.py)."""
+
 import dataclasses
 
 import pytest
 
-from oomguard.jobs.sizes import CapSchedule, format_size, parse_size
-
-KiB, MiB, GiB = 1024, 1024**2, 1024**3
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("48MiB", 48 * MiB),
-        ("1.5GiB", 3 * GiB // 2),
-        ("512KiB", 512 * KiB),
-        ("64MB", 64 * 10**6),
-        ("2GB", 2 * 10**9),
-        ("100B", 100),
-        ("1024", 1024),
-        ("48 MiB", 48 * MiB),
-        ("  48mib  ", 48 * MiB),
-        ("2gb", 2 * 10**9),
-        ("4kb", 4000),
-        ("1TiB", 1024**4),
-        ("0.5KiB", 512),
-        (".5 MiB", MiB // 2),
-        ("3.", 3),
-        ("0.1GiB", 107374182),  # 107374182.4 rounds to whole bytes
-    ],
-)
-def test_parse_size_accepts(text, expected):
-    assert parse_size(text) == expected
-
-
-@pytest.mark.parametrize(
-    "text",
-    ["48 furlongs", "", "   ", "MiB", "abc", "1.2.3MiB", "48M", "1e3MiB", "48 Mi B", "48MiB@3", "0x10"],
-)
-def test_parse_size_rejects_garbage_naming_it_and_the_expected_form(text):
-    with pytest.raises(ValueError) as info:
-        parse_size(text)
-    message = str(info.value)
-    assert repr(text) in message
-    assert "48MiB" in message and "1.5GiB" in message
-
-
-def test_parse_size_error_message_reads_well():
-    with pytest.raises(ValueError) as info:
-        parse_size("48 furlongs")
-    assert str(info.value) == (
-        "not a memory size: '48 furlongs' (expected a number and a unit such as 48MiB, 1.5GiB or 2GB)"
-    )
-
-
-@pytest.mark.parametrize("text", ["0", "0MiB", "-5MiB", "-1", "0.1B", "+0GB"])
-def test_parse_size_rejects_zero_and_negative(text):
-    with pytest.raises(ValueError, match="positive"):
-        parse_size(text)
-
-
-@pytest.mark.parametrize(
-    ("n", "expected"),
-    [
-        # c10's format_size: "<= 1024" bytes, "<= 1048576" KiB, "<= 1073741824" MiB, else GiB.
-        (0, "0 bytes"),
-        (1, "1 bytes"),
-        (1023, "1023 bytes"),
-        (1024, "1024 bytes"),
-        (1025, "1.00 KiB"),
-        (1536, "1.50 KiB"),
-        (MiB, "1024.00 KiB"),
-        (MiB + 1, "1.00 MiB"),
-        (3 * MiB, "3.00 MiB"),
-        (20 * MiB, "20.00 MiB"),
-        (45 * MiB + MiB // 2, "45.50 MiB"),
-        (GiB, "1024.00 MiB"),
-        (GiB + 1, "1.00 GiB"),
-        (3 * GiB // 2, "1.50 GiB"),
-        (int(79.65 * GiB), "79.65 GiB"),
-    ],
-)
-def test_format_size_matches_pytorch(n, expected):
-    assert format_size(n) == expected
-
-
-def test_format_size_rejects_negative():
-    with pytest.raises(ValueError):
-        format_size(-1)
+from oomguard.jobs.sizes import CapSchedule
+from oomguard.strategies.units import GiB, MiB
 
 
 def test_cap_schedule_single_size_caps_from_step_zero():

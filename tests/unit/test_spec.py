@@ -15,18 +15,10 @@ from typing import Any
 import pytest
 
 from oomguard.jobs import spec as spec_module
-from oomguard.jobs.spec import (
-    DataSpec,
-    JobFileError,
-    JobSpec,
-    LadderSpec,
-    ModelSpec,
-    TrainSpec,
-    load_job_file,
-    parse_job_text,
-)
+from oomguard.jobs.spec import DataSpec, JobSpec, LadderSpec, ModelSpec, TrainSpec, load_job_file, parse_job_text
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.rungs import exact_names, names
+from oomguard.strategies.errors import JobFileError
 
 RUNG_NAMES, EXACT_RUNG_NAMES = names(), exact_names()
 
@@ -826,6 +818,55 @@ def test_from_dict_accepts_a_parsed_toml_dict_and_fills_defaults():
     job = JobSpec.from_dict(base_doc())
     assert job == parse(base_doc()).replace(source_path=None)
     assert job.ladder == LadderSpec()
+
+
+COMMAND_JOB = (
+    'name = "script"\ntrainer = "command"\npriority = 3\n[command]\nargv = ["python3", "train.py", "--bs={micro_batch}"]\n'
+    'cwd = "/srv/scripts"\nenv = { HF_HUB_OFFLINE = "1" }\nprocesses = 2\n[command.when]\ngradient_checkpointing = ["--gc"]\n'
+    '[train]\nbatch_size = 8\nmax_steps = 30\nmicro_batch = 2\n[notify]\nurls = ["json://h/x"]\n[resources]\nmemory = "1GiB"\n'
+)
+
+
+def stored_specs(tmp_path: Path) -> list[JobSpec]:
+    """Jobs of every kind as intake makes them: the quickstart, one with every table set,
+    and a command job (whose stored [train] leaves out the keys its script owns)."""
+    command = parse_job_text(COMMAND_JOB, "script.toml", check_files=False)
+    assert command.train.learning_rate is None and "learning_rate" not in command.to_dict()["train"]
+    return [load_job_file(QUICKSTART), rich_job(tmp_path), command]
+
+
+def test_load_rebuilds_a_stored_spec_as_it_was(tmp_path: Path):
+    for job in stored_specs(tmp_path):
+        stored = json.loads(json.dumps(job.to_dict()))
+        assert JobSpec.load(stored) == job == JobSpec.from_dict(stored)
+        assert JobSpec.load(job.to_dict()).to_dict() == job.to_dict()
+
+
+def test_load_neither_validates_again_nor_looks_at_the_file_system(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    job = rich_job(tmp_path)
+    for p in (tmp_path / "imgs").iterdir():
+        p.unlink()
+    (tmp_path / "imgs").rmdir()
+
+    def no_validation(*args: Any) -> JobSpec:
+        raise AssertionError("a stored spec was validated again")
+
+    from oomguard.jobs.spec import job as job_module
+
+    monkeypatch.setattr(job_module, "parse_job", no_validation)
+    monkeypatch.setattr(Path, "exists", lambda self: pytest.fail(f"looked at {self}"))
+    assert JobSpec.load(job.to_dict()) == job
+    # Accepted under the rules of its day, a stored job still loads if the rules tighten.
+    stored = job.to_dict()
+    stored["train"]["batch_size"] = 10**6
+    assert JobSpec.load(stored).train.batch_size == 10**6
+
+
+def test_load_ignores_keys_it_does_not_know():
+    stored = load_job_file(QUICKSTART).to_dict()
+    stored["train"]["from_a_newer_version"] = 1
+    stored["data"]["also_newer"] = True
+    assert JobSpec.load(stored) == load_job_file(QUICKSTART)
 
 
 @pytest.mark.parametrize("part", ["data", "model", "train", "ladder"])

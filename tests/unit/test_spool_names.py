@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.daemon import spool as spool_module
-from oomguard.daemon.cli import build_parser, main
+from oomguard.daemon import inbox as inbox_module
+from oomguard.daemon.cli import main
+from oomguard.daemon.cli.parser import build_parser
+from oomguard.daemon.inbox import NAME_TRIES, request_text, write_to_inbox
 from oomguard.daemon.paths import StateDir
-from oomguard.daemon.spool import (
-    DEFAULT_MAX_USER_PRIORITY, NAME_TRIES, InboxNameTaken, Request, Spool, priority_refusal, request_text, write_to_inbox,
-)
-from oomguard.daemon.store import AmbiguousJobName, JobNotFound, Store
+from oomguard.daemon.spool import DEFAULT_MAX_USER_PRIORITY, Request, Spool, priority_refusal
+from oomguard.daemon.store import Store
 from oomguard.daemon.supervisor import Supervisor
 from oomguard.daemon.users import Account
+from oomguard.strategies.errors import AmbiguousJobName, InboxNameTaken, JobNotFound
 from tests.conftest import spooled_supervisor
 from tests.jobs_helpers import TINY_JOB
 
@@ -52,14 +53,14 @@ def drop(state: StateDir, name: str, text: str) -> Path:
 def add_job(store: Store, name: str, *, uid: int, owner: str, spool_file: str | None = None) -> int:
     return store.add_job(
         name=name, owner=owner, owner_uid=uid, spec={"name": name}, priority=0, workdir="/nonexistent/w",
-        plan={"batch_size": 8, "micro_batch": 8}, spool_file=spool_file, emulate_device_memory=None, jobs_root=Path("/jobs"),
+        plan={"batch_size": 8, "micro_batch": 8}, spool_file=spool_file, jobs_root=Path("/jobs"),
     )
 
 
 def tokens(monkeypatch: pytest.MonkeyPatch, *values: str) -> None:
     """The random parts write_to_inbox draws, in turn (the last one again and again)."""
     queue = list(values)
-    monkeypatch.setattr(spool_module, "unguessable_token", lambda: queue.pop(0) if len(queue) > 1 else queue[0])
+    monkeypatch.setattr(inbox_module, "unguessable_token", lambda: queue.pop(0) if len(queue) > 1 else queue[0])
 
 
 # ------------------------------------------------------------------------------ names
@@ -113,8 +114,8 @@ def test_a_job_file_under_a_name_recorded_for_another_user_is_refused(box) -> No
     bobs = add_job(store, "bobs", uid=OTHER_UID, owner="bob", spool_file="taken.toml")
     drop(state, "taken.toml", job_text("mine"))
     supervisor.tick()
-    assert [job["id"] for job in store.jobs()] == [bobs]  # nothing recorded for it, bob's record as it was
-    assert store.job(bobs)["owner_uid"] == OTHER_UID and not (state.accepted / f"{bobs:06d}-taken.toml").exists()
+    assert [job.id for job in store.jobs()] == [bobs]  # nothing recorded for it, bob's record as it was
+    assert store.job(bobs).owner_uid == OTHER_UID and not (state.accepted / f"{bobs:06d}-taken.toml").exists()
     error = (state.rejected / "taken.toml.error").read_text()
     assert f"this name was used already, by job {bobs} of bob" in error and "give the file a new name" in error
 
@@ -139,8 +140,8 @@ def test_a_request_under_a_name_answered_for_another_user_is_refused(box) -> Non
     drop(state, "cancel.request", request_text("cancel", str(mine)))
     supervisor.tick()
     assert "used already, by a file of bob" in (state.rejected / "cancel.request.error").read_text()
-    assert store.request_by_file("cancel.request")["answer"] == "bob's refusal"
-    assert not store.job(mine)["cancel_requested"]
+    assert store.request_by_file("cancel.request").answer == "bob's refusal"
+    assert not store.job(mine).cancel_requested
     # The same user's own answered request (the daemon died before removing it) just goes.
     store.add_request(file="again.request", requester=ME.name, action="cancel", job_key="1", job_id=mine, accepted=1, answer="ok")
     drop(state, "again.request", request_text("cancel", str(mine)))
@@ -184,10 +185,10 @@ def test_a_name_means_your_own_job_first(tmp_path: Path) -> None:
     alices = add_job(store, "shared", uid=alice, owner="alice")
     bobs = add_job(store, "shared", uid=bob, owner="bob")  # newer, same name
     solo = add_job(store, "solo", uid=bob, owner="bob")
-    assert store.job_for("shared", alice)["id"] == alices
-    assert store.job_for("shared", bob)["id"] == bobs
-    assert store.job_for("solo", alice)["id"] == solo  # nobody else's name clashes: the one job of it
-    assert store.job_for(str(bobs), alice)["id"] == bobs  # an id is that job, whoever's
+    assert store.job_for("shared", alice).id == alices
+    assert store.job_for("shared", bob).id == bobs
+    assert store.job_for("solo", alice).id == solo  # nobody else's name clashes: the one job of it
+    assert store.job_for(str(bobs), alice).id == bobs  # an id is that job, whoever's
     with pytest.raises(AmbiguousJobName, match=rf"you have no job named 'shared'.*{alices} \(alice, queued\), {bobs} \(bob, queued\).*by its id"):
         store.job_for("shared", carol)
     again = add_job(store, "shared", uid=alice, owner="alice")
@@ -223,8 +224,8 @@ def test_a_request_by_name_means_the_requesters_own_job(box) -> None:
     theirs = add_job(store, "shared", uid=nobody.uid, owner=nobody.name)
     mine = add_job(store, "shared", uid=ME.uid, owner=ME.name)  # newer, same name
     supervisor._answer(Request(requester=nobody, action="cancel", job="shared", spool_file="n.request"))
-    assert store.request_by_file("n.request")["accepted"] == 1
-    assert store.job(theirs)["cancel_requested"] and not store.job(mine)["cancel_requested"]
+    assert store.request_by_file("n.request").accepted is True
+    assert store.job(theirs).cancel_requested and not store.job(mine).cancel_requested
 
 
 # ------------------------------------------------------------------------------ the priority cap
@@ -249,7 +250,7 @@ def test_the_daemons_own_user_may_set_any_priority(box) -> None:
     state, store, _, supervisor = box
     drop(state, "high.toml", job_text("high", priority=2**63 - 1))
     supervisor.tick()
-    assert store.job("high")["priority"] == 2**63 - 1
+    assert store.job("high").priority == 2**63 - 1
 
 
 def test_the_daemon_option_and_its_default() -> None:
@@ -262,11 +263,11 @@ def test_the_daemon_option_and_its_default() -> None:
 @pytest.mark.parametrize("kernel_call", [True, False], ids=["renameat2", "without-renameat2"])
 def test_the_rename_never_replaces_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel_call: bool) -> None:
     if not kernel_call:
-        monkeypatch.setattr(spool_module, "_renameat2", lambda: None)
+        monkeypatch.setattr(inbox_module, "_renameat2", lambda: None)
     (tmp_path / "source").write_text("alice's")
     (tmp_path / "target").write_text("bob's")
     with pytest.raises(FileExistsError):
-        spool_module.rename_no_replace(tmp_path / "source", tmp_path / "target")
+        inbox_module.rename_no_replace(tmp_path / "source", tmp_path / "target")
     assert (tmp_path / "target").read_text() == "bob's"
-    spool_module.rename_no_replace(tmp_path / "source", tmp_path / "new")
+    inbox_module.rename_no_replace(tmp_path / "source", tmp_path / "new")
     assert (tmp_path / "new").read_text() == "alice's" and not (tmp_path / "source").exists()

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.daemon.launch import LaunchFailed, LaunchRequest
+from oomguard.daemon.launch import LaunchRequest
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store
 from oomguard.daemon.supervisor import SLOTS_TAKEN, STALL_SECONDS, STOP_GRACE_SECONDS, Supervisor
@@ -20,6 +20,7 @@ from oomguard.daemon.users import Account
 from oomguard.strategies import doctor
 from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.errors import LaunchFailed
 from tests.fakes import FakeClock, FakeLauncher
 from tests.jobs_helpers import tiny_job
 
@@ -42,7 +43,12 @@ class Box:
         return Supervisor(self.state, self.store, launcher=self.launcher, clock=self.clock, **options)
 
     def kinds(self, job_id: int) -> list[str]:
-        return [event["kind"] for event in self.store.events(job_id)]
+        return [event.kind for event in self.store.events(job_id)]
+
+    def last_event(self, job_id: int) -> tuple[str, str | None, dict[str, Any]]:
+        """The job's newest event: its kind, code and figures (what tests read, not its words)."""
+        event = self.store.events(job_id)[-1]
+        return event.kind, event.code, event.data
 
     def plan_of(self, request: LaunchRequest) -> Plan:
         return Plan.from_dict(json.loads(request.stdin)["plan"])
@@ -73,8 +79,8 @@ def test_the_highest_priority_starts_first_then_first_come_first_served(box: Box
         box.launcher.finish(request, Outcome(kind="finished", step=8))
     supervisor.drain()
     assert order == [str(urgent), str(first), str(second)]
-    assert all(box.store.job(job_id)["state"] == "finished" for job_id in (first, urgent, second))
-    assert box.store.job(first)["result"].startswith("finished 8 steps; final model in ")
+    assert all(box.store.job(job_id).state == "finished" for job_id in (first, urgent, second))
+    assert box.last_event(first) == ("finished", "finished", {"step": 8})
 
 
 def test_no_more_than_max_parallel_run_and_the_others_say_why(box: Box) -> None:
@@ -83,11 +89,11 @@ def test_no_more_than_max_parallel_run_and_the_others_say_why(box: Box) -> None:
     supervisor.drain()
     assert len(box.launcher.started) == 2 and supervisor.active()
     waiting = box.store.job(jobs[2])
-    assert waiting["state"] == "queued"
-    assert waiting["waiting"] == f"{SLOTS_TAKEN}{jobs[0]}, {jobs[1]} (--max-parallel 2)"
+    assert waiting.state == "queued"
+    assert waiting.waiting == f"{SLOTS_TAKEN}{jobs[0]}, {jobs[1]} (--max-parallel 2)"
     box.launcher.finish(box.launcher.started[0], Outcome(kind="finished", step=8))
     supervisor.drain()
-    assert len(box.launcher.started) == 3 and box.store.job(jobs[2])["state"] == "running"
+    assert len(box.launcher.started) == 3 and box.store.job(jobs[2]).state == "running"
 
 
 def test_an_oom_queues_the_next_plan_with_an_escalation_event(box: Box) -> None:
@@ -97,11 +103,14 @@ def test_an_oom_queues_the_next_plan_with_an_escalation_event(box: Box) -> None:
     box.launcher.finish(box.launcher.started[0], OOM, returncode=1)
     supervisor.drain(until=lambda: len(box.launcher.started) == 2)
     assert box.kinds(job_id) == ["queued", "started", "attempt-ended", "escalated", "started"]
-    escalated = next(e for e in box.store.events(job_id) if e["kind"] == "escalated")
+    escalated = next(e for e in box.store.events(job_id) if e.kind == "escalated")
     first, second = (box.plan_of(request) for request in box.launcher.started)
-    assert second != first and escalated["message"].startswith("rung ")
+    assert second != first and escalated.code == "ladder"
+    assert escalated.data == {"rung": escalated.data["rung"], "from": first.short(), "to": second.short()}
     attempts = box.store.attempts(job_id)
-    assert attempts[0]["outcome_kind"] == "oom" and attempts[1]["rung"] == escalated["message"].split()[1].rstrip(":")
+    assert attempts[0].outcome_kind == "oom" and attempts[1].rung == escalated.data["rung"]
+    ended = next(e for e in box.store.events(job_id) if e.kind == "attempt-ended")
+    assert (ended.code, ended.data) == ("oom", {"attempt": 1, "step": 2, "phase": "backward", "resumed_from": None})
 
 
 def test_a_crash_that_repeats_itself_fails_the_job(box: Box) -> None:
@@ -111,7 +120,7 @@ def test_a_crash_that_repeats_itself_fails_the_job(box: Box) -> None:
     box.launcher.finish(box.launcher.started[0], CRASH, returncode=1)
     supervisor.drain()
     job = box.store.job(job_id)
-    assert job["state"] == "queued" and job["waiting"].startswith(f"retrying {doctor.CRASH_BACKOFF_SECONDS:.0f} s after the attempt ended")
+    assert job.state == "queued" and box.last_event(job_id) == ("retry", "retry", {"after_seconds": doctor.CRASH_BACKOFF_SECONDS})
     assert len(box.launcher.started) == 1  # the retry waits for its pause
     box.clock.advance(doctor.CRASH_BACKOFF_SECONDS)
     supervisor.drain()
@@ -119,8 +128,10 @@ def test_a_crash_that_repeats_itself_fails_the_job(box: Box) -> None:
     box.launcher.finish(box.launcher.started[1], CRASH, returncode=1)
     supervisor.drain()
     job = box.store.job(job_id)
-    assert job["state"] == "failed" and job["result"] == "the attempt crashed twice in a row at step 0 with the same error: ValueError: boom"
-    assert box.kinds(job_id)[-1] == "failed" and job["ended_at"] == box.clock.time()
+    assert job.state == "failed" and job.ended_at == box.clock.time()
+    assert box.last_event(job_id) == ("failed", "gave_up", {"outcome": "crashed", "step": 0})
+    # A message test on purpose: the sentence a user reads when a job gives up.
+    assert job.result == "the attempt crashed twice in a row at step 0 with the same error: ValueError: boom"
 
 
 def test_a_queued_job_is_cancelled_before_it_starts(box: Box) -> None:
@@ -128,8 +139,7 @@ def test_a_queued_job_is_cancelled_before_it_starts(box: Box) -> None:
     job_id = add(supervisor, "never")
     box.store.request_cancel(job_id)
     supervisor.drain()
-    job = box.store.job(job_id)
-    assert (job["state"], job["result"]) == ("cancelled", "cancelled before its next attempt started")
+    assert box.store.job(job_id).state == "cancelled" and box.last_event(job_id) == ("cancelled", "cancelled_queued", {})
     assert box.launcher.started == []
 
 
@@ -140,14 +150,13 @@ def test_a_running_job_is_asked_to_stop_then_killed_after_the_grace_period(box: 
     (request,) = box.launcher.started
     box.store.request_cancel(job_id)
     supervisor.drain()
-    assert box.launcher.stops == [(str(request.attempt_dir), False)] and box.kinds(job_id)[-1] == "cancelling"
+    assert box.launcher.stops == [(str(request.attempt_dir), False)] and box.last_event(job_id) == ("cancelling", "cancelling", {"attempt": 1})
     box.clock.advance(STOP_GRACE_SECONDS + 1)
     supervisor.drain()
     assert box.launcher.stops[-1] == (str(request.attempt_dir), True)
     box.launcher.finish(request, Outcome(kind="interrupted", step=3), returncode=-9)
     supervisor.drain()
-    job = box.store.job(job_id)
-    assert job["state"] == "cancelled" and job["result"].startswith("cancelled at step 3 (checkpoint kept in ")
+    assert box.store.job(job_id).state == "cancelled" and box.last_event(job_id) == ("cancelled", "cancelled_running", {"step": 3})
 
 
 def test_a_restarted_daemon_adopts_a_running_attempt_and_collects_it(box: Box) -> None:
@@ -155,14 +164,14 @@ def test_a_restarted_daemon_adopts_a_running_attempt_and_collects_it(box: Box) -
     job_id = add(first, "survivor")
     first.drain()
     (request,) = box.launcher.started
-    pid = box.store.attempts(job_id)[0]["pid"]
+    pid = box.store.attempts(job_id)[0].pid
     again = box.supervisor()  # the same machine: the attempt still runs
     assert [(h.attempt_dir, h.pid) for h in box.launcher.adopted] == [(str(request.attempt_dir), pid)]
     again.drain()
-    assert again.active() and box.store.job(job_id)["state"] == "running" and len(box.launcher.started) == 1
+    assert again.active() and box.store.job(job_id).state == "running" and len(box.launcher.started) == 1
     box.launcher.finish(request, Outcome(kind="finished", step=8))
     again.drain()
-    assert box.store.job(job_id)["state"] == "finished"
+    assert box.store.job(job_id).state == "finished"
 
 
 def test_an_attempt_that_never_started_is_interrupted_and_queued_again(box: Box) -> None:
@@ -171,13 +180,13 @@ def test_an_attempt_that_never_started_is_interrupted_and_queued_again(box: Box)
     first.drain()
     (request,) = box.launcher.started
     # The daemon died after recording the attempt and before its process started.
-    box.store.update_attempt(box.store.attempts(job_id)[0]["id"], pid=None, pid_started=None)
+    box.store.update_attempt(box.store.attempts(job_id)[0].id, pid=None, pid_started=None)
     box.launcher.lose(request)
     again = box.supervisor()
     again.stopping = True  # collect only
     again.drain()
     (attempt,) = box.store.attempts(job_id)
-    assert attempt["outcome_kind"] == "interrupted" and box.store.job(job_id)["state"] == "queued"
+    assert attempt.outcome_kind == "interrupted" and box.store.job(job_id).state == "queued"
 
 
 def test_an_attempt_that_cannot_be_launched_fails_its_job_saying_how_to_fix_it(box: Box) -> None:
@@ -186,8 +195,10 @@ def test_an_attempt_that_cannot_be_launched_fails_its_job_saying_how_to_fix_it(b
     job_id = add(supervisor, "unlucky")
     supervisor.drain()
     job = box.store.job(job_id)
-    assert (job["state"], job["result"]) == ("failed", "cannot start the attempt's shim (python) as me: Permission denied")
-    assert box.store.attempts(job_id)[0]["outcome_kind"] == "crashed"
+    assert job.state == "failed" and box.last_event(job_id) == ("failed", "spawn_failed", {"attempt": 1})
+    # A message test on purpose: the launcher's own words reach the job's result as they are.
+    assert job.result == "cannot start the attempt's shim (python) as me: Permission denied"
+    assert box.store.attempts(job_id)[0].outcome_kind == "crashed"
 
 
 def test_a_silent_attempt_is_reported_stalled_once(box: Box) -> None:
@@ -198,6 +209,8 @@ def test_a_silent_attempt_is_reported_stalled_once(box: Box) -> None:
     supervisor.drain()
     supervisor.drain()
     assert box.kinds(job_id).count("stalled") == 1
+    kind, code, data = box.last_event(job_id)
+    assert (kind, code, data["attempt"]) == ("stalled", "no_heartbeat", 1) and data["seconds"] > STALL_SECONDS
 
 
 def test_attempts_stopped_with_the_daemon_go_back_to_the_queue(box: Box) -> None:
@@ -209,8 +222,8 @@ def test_attempts_stopped_with_the_daemon_go_back_to_the_queue(box: Box) -> None
     assert box.launcher.stops == [(str(request.attempt_dir), False)] and not supervisor.stopped()
     box.launcher.finish(request, Outcome(kind="interrupted", step=4), returncode=0)
     supervisor.drain()
-    assert supervisor.stopped() and box.store.job(job_id)["state"] == "queued"
-    assert box.kinds(job_id)[-1] == "requeued" and len(box.launcher.started) == 1  # nothing starts while stopping
+    assert supervisor.stopped() and box.store.job(job_id).state == "queued"
+    assert box.last_event(job_id) == ("requeued", "daemon_stopped", {"step": 4}) and len(box.launcher.started) == 1  # nothing starts while stopping
 
 
 def test_a_daemon_that_leaves_leaves_its_attempts_running(box: Box) -> None:
@@ -218,4 +231,4 @@ def test_a_daemon_that_leaves_leaves_its_attempts_running(box: Box) -> None:
     job_id = add(supervisor, "left")
     supervisor.drain()
     supervisor.leave_all()
-    assert supervisor.stopped() and box.launcher.stops == [] and box.store.job(job_id)["state"] == "running"
+    assert supervisor.stopped() and box.launcher.stops == [] and box.store.job(job_id).state == "running"

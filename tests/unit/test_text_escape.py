@@ -14,17 +14,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from oomguard.daemon import cli
+from oomguard.daemon.cli.daemon_cmd import InertOutput
+from oomguard.daemon.cli.output import print_event
 from oomguard.daemon.job_secrets import ENV_MASK, mask_env_value, public_spec, secrets_of, shows_secrets, with_env
-from oomguard.daemon.notifier import JobFacts, compose
+from oomguard.daemon.notify_message import JobFacts, compose
 from oomguard.daemon.paths import StateDir
-from oomguard.daemon.report import draw_report, load_report
+from oomguard.daemon.report import load_report
+from oomguard.daemon.report_plot import draw_report
 from oomguard.daemon.store import Store
 from oomguard.daemon.supervisor import Supervisor
 from oomguard.daemon.text import escape, escape_block
 from oomguard.jobs.command import render
-from oomguard.jobs.spec import JobFileError, JobSpec, parse_job_text
+from oomguard.jobs.spec import JobSpec, parse_job_text
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.errors import JobFileError
+from tests.fakes import job_row
 
 # What a user's outcome.json message did to the daemon's log and to `show` (issue 23, point 6).
 FAKE_LINE = "loss is nan\n[12:00:00] job 2 bob-job: cancelled: cancelled by root\x1b[2K\x1b]0;owned\x07\r\u202etxt.exe [/bold]"
@@ -77,7 +82,7 @@ def test_escape_block_indents_every_line_after_the_first() -> None:
 
 
 def test_print_event_indents_every_line_after_the_first(capsys) -> None:
-    cli.print_event({"id": 1, "name": "alice-job"}, "failed", FAKE_LINE)
+    print_event(job_row(id=1, name="alice-job"), "failed", FAKE_LINE)
     lines = capsys.readouterr().out.rstrip("\n").split("\n")
     assert re.match(r"\[\d\d:\d\d:\d\d\] job 1 alice-job: failed: loss is nan$", lines[0])
     assert len(lines) == 2 and lines[1].startswith("    [12:00:00] job 2 bob-job: cancelled") and not UNSAFE.search(lines[1])
@@ -87,7 +92,7 @@ def test_the_daemons_output_lets_no_control_character_through_but_newlines() -> 
     import io
 
     buffer = io.StringIO()
-    out = cli._InertOutput(buffer)
+    out = InertOutput(buffer)
     print("rejected \u202eevil.toml: name \x1b[2J\x9b", file=out, flush=True)
     assert buffer.getvalue() == "rejected \\u202eevil.toml: name \\x1b[2J\\x9b\n"
 
@@ -95,16 +100,16 @@ def test_the_daemons_output_lets_no_control_character_through_but_newlines() -> 
 def test_an_event_is_one_line_then_its_report(tmp_path: Path, capsys) -> None:
     state = StateDir(tmp_path / "state").create()
     store = Store(state.database)
-    supervisor = Supervisor(state, store, on_event=cli.print_event)
+    supervisor = Supervisor(state, store, on_event=print_event)
     job_id = store.add_job(name="alice-job", owner="alice", spec={}, priority=0, workdir=None, plan=Plan.initial(8).to_dict(),
-                           spool_file=None, emulate_device_memory=None, jobs_root=state.jobs)
-    supervisor.event(store.job(job_id), "failed", f"the loss diverged ({FAKE_LINE})", report=f"Attempts:\n  1. [mb=8x1] diverged\x1b[31m")
+                           spool_file=None, jobs_root=state.jobs)
+    supervisor.event(store.job(job_id), "failed", f"the loss diverged ({FAKE_LINE})", code="gave_up", report="Attempts:\n  1. [mb=8x1] diverged\x1b[31m")
     out = capsys.readouterr().out
     lines = out.rstrip("\n").split("\n")
     assert re.match(r"\[\d\d:\d\d:\d\d\] job 1 alice-job: failed: the loss diverged \(loss is nan\\n\[12:00:00\] job 2", lines[0])
     assert lines[1:] == ["    Attempts:", "      1. [mb=8x1] diverged\\x1b[31m"]
     assert not UNSAFE.search(out.replace("\n", ""))
-    stored = store.events(job_id)[-1]["message"]
+    stored = store.events(job_id)[-1].message
     assert stored.split("\n")[0].endswith("[/bold])") and stored.count("\n") == 2  # the message one line, then the report's two
     store.close()
 
@@ -223,7 +228,7 @@ def test_the_daemon_stores_the_masked_form_and_keeps_the_values_to_itself(tmp_pa
     store = Store(state.database)
     supervisor = Supervisor(state, store)
     job_id = supervisor.add_job(command_spec(), Account.current())
-    dumped = json.dumps(store.jobs()) + json.dumps(store.events(job_id))
+    dumped = repr(store.jobs()) + repr(store.events(job_id))  # every column, the events' figures too
     assert not [secret for secret in SECRETS if secret in dumped]
     secrets_file = state.secrets / f"{job_id}.json"
     assert secrets_file.stat().st_mode & 0o777 == 0o600 and state.secrets.stat().st_mode & 0o077 == 0
@@ -239,7 +244,7 @@ def test_a_store_of_an_older_oomguard_is_cleaned_when_the_daemon_starts(tmp_path
     old = {**full, "notify": {**full["notify"], "urls": ["json://127.0.0.1:9/hook-SECRETPATH?method=POST"]}}  # as it was redacted
     ids = [
         store.add_job(name=f"old-{n}", owner="alice", spec=old, priority=0, workdir=None, plan=Plan.initial(8).to_dict(),
-                      spool_file=None, emulate_device_memory=None, jobs_root=state.jobs)
+                      spool_file=None, jobs_root=state.jobs)
         for n in range(2)
     ]
     store.update_job(ids[1], state="finished")
@@ -262,7 +267,7 @@ def _stored_job(tmp_path: Path, **fields: Any) -> tuple[Path, int]:
     store = Store(state.database)
     job_id = store.add_job(
         name="alice-job", owner="alice", owner_uid=os.geteuid() + 1, spec=public_spec(command_spec().to_dict()), priority=0,
-        workdir=str(tmp_path / "work"), plan=Plan.initial(8).to_dict(), spool_file=None, emulate_device_memory=None, jobs_root=state.jobs,
+        workdir=str(tmp_path / "work"), plan=Plan.initial(8).to_dict(), spool_file=None, jobs_root=state.jobs,
     )
     store.update_job(job_id, **fields)
     directory = tmp_path / "work" / "attempts" / "001"
@@ -279,7 +284,8 @@ def _stored_job(tmp_path: Path, **fields: Any) -> tuple[Path, int]:
 
 
 def test_show_status_and_logs_print_a_users_text_inert(tmp_path: Path, capsys) -> None:
-    from oomguard.strategies.doctor import PastAttempt, Policy, report
+    from oomguard.strategies.doctor import PastAttempt, report
+    from oomguard.strategies.policy import Policy
 
     # The doctor's report quotes what an attempt said, as one line each.
     quoted = report([PastAttempt(Plan.initial(8), Outcome.from_dict(Outcome(kind="diverged", message=FAKE_LINE).to_dict()))], Policy())

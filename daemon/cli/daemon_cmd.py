@@ -1,0 +1,167 @@
+"""`oomguard daemon`: the supervisor in the foreground (for systemd: Type=notify, watchdog
+pings), one per state directory; its standard output is its log."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from oomguard.daemon.cli.foreground import DaemonLock, stop_on_signals
+from oomguard.daemon.cli.output import EXIT_OK, CliError, print_event
+from oomguard.daemon.cli.state import cap_schedule, create_state_dir, current_user
+from oomguard.daemon.paths import StateDir
+from oomguard.daemon.store import Store
+from oomguard.daemon.text import escape
+from oomguard.jobs.device import DeviceSpec
+from oomguard.strategies.errors import InsecureStateDir, NoGpus
+
+if TYPE_CHECKING:  # for the annotations only: the daemon's modules are imported when it starts
+    from oomguard.daemon.monitor import GpuMonitor
+    from oomguard.daemon.sd_notify import SystemdNotifier
+    from oomguard.daemon.supervisor import Supervisor
+
+
+class InertOutput:
+    """The daemon's standard output (its log), with every control character but the newline
+    escaped (text.escape) whatever printed it: the last guard of the log against a user's text
+    that some message quotes (a name in a refusal, an error's text). Where a line ends is
+    decided where a record is made (print_event, Supervisor.event)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write(escape(text, keep="\n"))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, ...
+        return getattr(self.stream, name)
+
+
+def cmd_daemon(args: argparse.Namespace) -> int:
+    plain = sys.stdout
+    sys.stdout = InertOutput(plain)
+    try:
+        return _daemon(args)
+    finally:
+        sys.stdout = plain
+
+
+def _daemon(args: argparse.Namespace) -> int:
+    from oomguard.daemon.notifier import Notifier
+    from oomguard.daemon.sd_notify import SystemdNotifier
+    from oomguard.daemon.spool import Spool
+    from oomguard.daemon.supervisor import Supervisor
+
+    max_user_priority = _max_user_priority(args)
+    state, lock = _claim_state_dir(args.state_dir)
+    store = Store(state.database)
+    monitor = _gpu_monitor(args, state, store)
+    config_paths = [Path(p) for p in args.notify_config] if args.notify_config else None
+    notifier = Notifier(config_paths, throttle_seconds=args.notify_throttle)
+    spool = Spool(state.inbox, state.accepted, state.rejected)
+    supervisor = Supervisor(
+        state, store, max_parallel=args.max_parallel, device=DeviceSpec.from_option(cap_schedule(args.emulate_device_memory)), on_event=print_event,
+        spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
+        max_user_priority=max_user_priority,
+    )
+    stop_on_signals(supervisor, stop_jobs=args.stop_jobs)
+    spool.start()
+    systemd = SystemdNotifier()
+    stopping = _StoppingNotice(systemd)
+    mode = _mode()
+    try:  # from here on, whatever ends the daemon (a reader of its output gone too) goes through finally
+        if monitor is not None:
+            print(f"GPUs: {monitor.source.description}", flush=True)
+        print(f"oomguard daemon {os.getpid()} watching {state.inbox} ({mode})", flush=True)
+        systemd.ready(f"watching {state.inbox}")
+        _supervise(supervisor, systemd, stopping, args.poll_interval)
+    finally:
+        stopping.send()
+        spool.stop()
+        # Messages already queued get a moment to go out; retries do not hold the daemon up.
+        notifier.flush(timeout=5.0)
+        notifier.close()
+        store.close()
+        lock.file.close()
+    print("oomguard daemon stopped", flush=True)
+    return EXIT_OK
+
+
+def _max_user_priority(args: argparse.Namespace) -> int:
+    """--max-user-priority (checked, with its default), once --max-parallel is checked too."""
+    from oomguard.daemon.spool import DEFAULT_MAX_USER_PRIORITY
+
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise CliError(f"--max-parallel must be at least 1, got {args.max_parallel}")
+    max_user_priority = DEFAULT_MAX_USER_PRIORITY if args.max_user_priority is None else args.max_user_priority
+    if not -(2**63) <= max_user_priority <= 2**63 - 1:
+        raise CliError(f"--max-user-priority must fit a 64-bit integer (a job's priority does), got {max_user_priority}")
+    return max_user_priority
+
+
+def _claim_state_dir(state_dir: Path) -> tuple[StateDir, DaemonLock]:
+    """The state directory, created, locked for this daemon and given its modes."""
+    from oomguard.daemon.users import secure_state_dir
+
+    state = create_state_dir(state_dir)
+    state.secrets.mkdir(mode=0o700, exist_ok=True)
+    lock = DaemonLock(state.root / "daemon.lock")
+    try:
+        # Before the store is opened: closing any descriptor of the database file would drop
+        # this process's SQLite locks (POSIX record locks belong to the process, not the fd).
+        secure_state_dir(
+            state.root, state.inbox, [state.accepted, state.rejected, state.secrets],
+            [state.database, Path(f"{state.database}-wal"), Path(f"{state.database}-shm")],
+        )
+    except InsecureStateDir as error:
+        raise CliError(f"{error}; fix the state directory or choose another --state-dir") from None
+    return state, lock
+
+
+def _gpu_monitor(args: argparse.Namespace, state: StateDir, store: Store) -> GpuMonitor | None:
+    """The monitor of the GPUs (NVML, or --emulate-gpus); None, said, when there are none."""
+    from oomguard.daemon.gpus import open_gpus
+    from oomguard.daemon.monitor import GpuMonitor
+
+    try:
+        return GpuMonitor(open_gpus(args.emulate_gpus, state.emulated_gpus), store, every_seconds=args.gpu_sample_seconds)
+    except ValueError as error:
+        raise CliError(f"--emulate-gpus: {error}") from None
+    except NoGpus as error:
+        print(f"oomguard: {error}", flush=True)
+        return None
+
+
+def _mode() -> str:
+    from oomguard.daemon.users import system_mode
+
+    return "system mode: jobs run as their owners" if system_mode() else f"user mode: jobs run as {current_user()}"
+
+
+class _StoppingNotice:
+    """systemd's STOPPING=1, sent once: when attempts start checkpointing, else as the daemon ends."""
+
+    def __init__(self, systemd: SystemdNotifier) -> None:
+        self.systemd = systemd
+        self.sent = False
+
+    def send(self) -> None:
+        if not self.sent:
+            self.systemd.stopping()
+            self.sent = True
+
+
+def _supervise(supervisor: Supervisor, systemd: SystemdNotifier, stopping: _StoppingNotice, poll_interval: float) -> None:
+    """The daemon's loop, until the supervisor has stopped."""
+    while not supervisor.stopped():
+        supervisor.tick()
+        systemd.tick()
+        if supervisor.stopping:
+            # Attempts are checkpointing: systemd waits for them (TimeoutStopSec).
+            stopping.send()
+        time.sleep(poll_interval)

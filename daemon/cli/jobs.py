@@ -1,0 +1,196 @@
+"""The commands about one job in the daemon's queue: `submit` and `cancel` (through the spool,
+answered by the daemon in the store), `show`, `logs` and `report`."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from oomguard.daemon.cli.output import EXIT_FAILED, EXIT_OK, CliError, say, short_plan
+from oomguard.daemon.cli.state import answer_to, current_user, find_job, job_record, open_store, write_spool_file
+from oomguard.daemon.inbox import request_text, spool_text
+from oomguard.daemon.store import TERMINAL_STATES
+from oomguard.daemon.text import escape
+from oomguard.jobs.attempt import LOG
+from oomguard.jobs.spec import load_job_file
+from oomguard.strategies.errors import JobFileError, ReportError
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    try:
+        submit_dir = Path.cwd()
+    except FileNotFoundError:
+        raise CliError("the folder you are in was removed; cd to an existing folder and submit again") from None
+    try:
+        spec = load_job_file(path, submit_dir)
+    except JobFileError as error:
+        raise CliError(f"rejected: {error}") from None
+    state, store = open_store(args.state_dir)
+    spooled = write_spool_file(state.inbox, path.stem, spool_text(path, submit_dir))
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        job, answer = answer_to(store, spooled)
+        if job is not None:
+            print(f"job {job.id} ({job.name}) queued")
+            return EXIT_OK
+        if answer is not None:  # the daemon refused it (e.g. a priority above the cap)
+            raise CliError(f"refused: {answer.answer}", EXIT_FAILED)
+        time.sleep(0.1)
+    print(f"{spec.name} is in the spool ({spooled}); the daemon queues it when it runs (`oomguard daemon`)")
+    return EXIT_OK
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Cancelling goes through the spool like submitting: the daemon checks who asks (the
+    owner of the request file) against who owns the job, and answers in the store."""
+    state, store = open_store(args.state_dir)
+    job = find_job(store, args.job)
+    if job.state in TERMINAL_STATES:
+        raise CliError(f"job {job.id} ({job.name}) has already ended: {job.state}", EXIT_FAILED)
+    spooled = write_spool_file(state.inbox, f"cancel-{job.id}", request_text("cancel", str(job.id)), suffix=".request")
+    deadline = time.monotonic() + args.wait
+    while time.monotonic() < deadline:
+        _, answer = answer_to(store, spooled)
+        if answer is not None:
+            if answer.job_id not in (None, job.id):
+                raise CliError(
+                    f"the daemon answered your request {spooled.name} about job {answer.job_id}, not job {job.id}: "
+                    "it is not your answer; run `oomguard cancel` again", EXIT_FAILED,
+                )
+            if not answer.accepted:
+                raise CliError(f"refused: {answer.answer}", EXIT_FAILED)
+            say(answer.answer)
+            return EXIT_OK
+        time.sleep(0.1)
+    print(f"cancel request for job {job.id} is in the spool; the daemon applies it when it runs (`oomguard daemon`)")
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    _, store = open_store(args.state_dir)
+    record = job_record(store, find_job(store, args.job))
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return EXIT_OK
+    # Every line is one line of the record, escaped (text.escape): results, reasons and what an
+    # attempt died of quote what its runner wrote, which its owner may fill with anything.
+    say(f"job {record['id']} {record['name']} (owner {record['owner']}): {record['state']}")
+    say(f"  workdir: {record['workdir']}")
+    command = record["spec"].get("command")
+    if command:
+        say(f"  runs in: {command.get('cwd') or record['workdir']}")
+    say(f"  plan: {short_plan(record['plan'])}")
+    if record["result"]:
+        say(f"  result: {record['result']}")
+    for attempt in record["attempts"]:
+        outcome = attempt["outcome"] or {}
+        say(f"  attempt {attempt['number']}: [{short_plan(attempt['plan'])}] {_how_it_ended(outcome)}")
+        if attempt["rung"] or attempt["reason"]:
+            say(f"    why: {attempt['rung'] or 'retry'}: {attempt['reason']}")
+        _print_runner_record(outcome)
+    if record["report"]:
+        print(escape(record["report"], keep="\n"))
+    return EXIT_OK
+
+
+def _how_it_ended(outcome: dict[str, Any]) -> str:
+    """An attempt's end for `show`: how and at which step, and what a failed one died of."""
+    from oomguard.strategies.outcome import Outcome
+
+    if not outcome:
+        return "running"
+    ended = f"{outcome.get('kind')} at step {outcome.get('step')}"
+    if outcome.get("kind") in ("crashed", "host_oom", "diverged"):
+        try:
+            summary = Outcome.from_dict(outcome).summary
+        except (TypeError, ValueError, AttributeError):  # stored by an oomguard that took any outcome.json
+            summary = str(outcome.get("message") or "").strip().partition("\n")[0]
+        ended += f": {summary}" if summary else ""
+    return ended
+
+
+def _print_runner_record(outcome: dict[str, Any]) -> None:
+    """What the runner did on its own: rungs it took (probe, in-process) and what it measured."""
+    from oomguard.strategies.units import format_bytes
+
+    for change in outcome.get("recoveries") or []:
+        if not isinstance(change, dict):
+            continue
+        why = f"{change['oom']}; {change.get('reason')}" if isinstance(change.get("oom"), str) else change.get("reason")
+        say(f"    step {change.get('step')}, in the runner: [{short_plan(change.get('from'))}] -> [{short_plan(change.get('to'))}]: {why}")
+    for measured in outcome.get("measurements") or []:
+        peak, capacity = format_bytes(measured["peak_bytes"]), format_bytes(measured.get("capacity"))
+        what = f"peak {peak} of {capacity}" if measured["fits"] else f"out of memory (needed more than {peak} of {capacity})"
+        speed = f", {measured['samples_per_s']:.1f} samples/s" if measured.get("samples_per_s") else ""
+        say(f"    measured [{short_plan(measured['plan'])}]: {what}{speed}")
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    _, store = open_store(args.state_dir)
+    job = find_job(store, args.job)
+    # Per attempt log: how much of it is printed, and a decoder that keeps a character split
+    # between two reads whole.
+    printed: dict[str, tuple[int, codecs.IncrementalDecoder]] = {}
+    # The owner sees their own output as their program wrote it (colours, progress bars, as
+    # `cat` would show it); anyone else (root, an admin) sees it escaped but for its newlines,
+    # carriage returns and tabs: a job's output must not act on the terminal of whoever reads it.
+    own = job.owner_uid == os.geteuid() if job.owner_uid is not None else job.owner == current_user()
+    while True:
+        for attempt in store.attempts(job.id):
+            directory = attempt.directory
+            if directory not in printed:
+                print(f"== attempt {attempt.number} ({short_plan(attempt.plan_dict())}) ==", flush=True)
+                printed[directory] = (0, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+            offset, decoder = printed[directory]
+            try:
+                printed[directory] = (_print_log_from(Path(directory) / LOG, offset, decoder, raw=own), decoder)
+            except PermissionError:
+                raise CliError(f"cannot read {Path(directory) / LOG}: it belongs to {job.owner}, whose job it is; ask them, or run it as root", EXIT_FAILED) from None
+        if not args.follow or store.job(job.id).state in TERMINAL_STATES:
+            return EXIT_OK
+        time.sleep(0.5)
+
+
+# `logs` copies a log a block at a time: a log of gigabytes is never held in memory, and a
+# reader that went away is noticed at the next block.
+LOG_BLOCK_BYTES = 1 << 16
+
+
+def _print_log_from(log: Path, offset: int, decoder: codecs.IncrementalDecoder, *, raw: bool = True) -> int:
+    """Print ``log`` from byte ``offset`` to its current end; returns the new end. Not ``raw``:
+    escaped but for newlines, carriage returns and tabs (text.escape)."""
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            for block in iter(lambda: f.read(LOG_BLOCK_BYTES), b""):
+                text = decoder.decode(block)
+                sys.stdout.write(text if raw else escape(text, keep="\n\r\t"))
+                sys.stdout.flush()
+                offset += len(block)
+    except FileNotFoundError:
+        pass  # the attempt has not started writing yet
+    return offset
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from oomguard.daemon.report import load_report
+    from oomguard.daemon.report_plot import draw_report
+
+    _, store = open_store(args.state_dir)
+    job = find_job(store, args.job)
+    out = Path(args.output) if args.output else Path(f"oomguard-job-{job.id}.png")
+    try:
+        written = draw_report(load_report(job, store.attempts(job.id), store.events(job.id)), out)
+    except ReportError as error:
+        raise CliError(str(error), EXIT_FAILED) from None
+    except OSError as error:
+        raise CliError(f"cannot write {out}: {error.strerror}; choose another --output") from None
+    print(f"wrote {written}")
+    return EXIT_OK

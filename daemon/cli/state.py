@@ -1,0 +1,138 @@
+"""The daemon's state as the CLI reaches it: the state directory and its store (read-only for a
+user who may not write a system daemon's), the job a user names, the inbox files it writes
+and the daemon's answers to them, and a job's record as `show --json` and `run --json` print it."""
+
+from __future__ import annotations
+
+import os
+import pwd
+from pathlib import Path
+from typing import Any
+
+from oomguard.daemon.cli.output import EXIT_FAILED, CliError
+from oomguard.daemon.inbox import job_key_problem, write_to_inbox
+from oomguard.daemon.paths import StateDir
+from oomguard.daemon.store import Store, owns
+from oomguard.daemon.store_rows import AttemptRow, JobRow, RequestRow
+from oomguard.daemon.users import user_name
+from oomguard.jobs.attempt import HEARTBEAT, read_json
+from oomguard.jobs.sizes import CapSchedule
+from oomguard.strategies.errors import AmbiguousJobName, InboxNameTaken, JobNotFound
+
+
+def current_user() -> str:
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def cap_schedule(text: str | None) -> str | None:
+    """Validate an --emulate-device-memory value; returns its canonical text."""
+    if text is None:
+        return None
+    try:
+        return str(CapSchedule.parse(text))
+    except ValueError as error:
+        raise CliError(f"--emulate-device-memory: {error}") from None
+
+
+def open_store(state_dir: Path) -> tuple[StateDir, Store]:
+    """The state directory and its store: read-only for a user who may read a system daemon's
+    store but not write it (the daemon owns it; users talk to it through the spool)."""
+    state = StateDir(state_dir)
+    if state.database.exists() and not os.access(state.database, os.W_OK):
+        return state, Store(state.database, readonly=True)
+    return create_state_dir(state_dir), Store(state.database)
+
+
+def create_state_dir(state_dir: Path) -> StateDir:
+    # Any OSError, not only PermissionError: a --state-dir that is a file (NotADirectoryError)
+    # ended `status`, `submit` and `daemon` with a traceback.
+    try:
+        return StateDir(state_dir).create()
+    except OSError as error:
+        raise CliError(f"cannot use the state directory {state_dir} ({error.strerror or error}); is --state-dir right?") from None
+
+
+def find_job(store: Store, key: str) -> dict[str, Any]:
+    """The job a user names on the command line (an id or a name). A name means the user's own
+    job of that name first, else the one job of anyone else that has it; a name several jobs
+    share that way is refused (exit 2) with their ids (Store.job_for). A key of digits that is
+    no possible id ("99999999999999999999", or "\u00b2", a digit to str.isdigit) is "no such job"
+    (exit 3), not the OverflowError or ValueError the store raised for it."""
+
+    problem = job_key_problem(key)
+    if problem:
+        raise JobNotFound(problem)
+    uid = os.geteuid()
+    try:
+        return store.job_for(key, uid, user_name(uid))
+    except AmbiguousJobName as error:
+        raise CliError(str(error)) from None
+
+
+def write_spool_file(inbox: Path, stem: str, text: str, suffix: str = ".toml") -> Path:
+    """A new file in the inbox under a fresh unguessable name (inbox.write_to_inbox)."""
+    try:
+        return write_to_inbox(inbox, stem, text, suffix)
+    except InboxNameTaken as error:
+        raise CliError(
+            f"cannot place a file in the inbox {inbox}: {error.strerror}, which only someone making files there on "
+            "purpose can do; try again, and tell the administrator if it happens again", EXIT_FAILED,
+        ) from None
+    except OSError as error:
+        raise CliError(
+            f"cannot write into the inbox {inbox} ({error.strerror or error}); is --state-dir (or $OOMGUARD_STATE_DIR) the "
+            "daemon's state directory, and has the daemon set it up (it makes the inbox writable for everyone when it starts)?"
+        ) from None
+
+
+def answer_to(store: Store, spooled: Path) -> tuple[JobRow | None, RequestRow | None]:
+    """What the daemon recorded for the inbox file ``spooled`` that this process wrote: (the job
+    it queued, the answer to it), both None while there is none. Only a record for this user
+    counts: the CLI never reports anyone else's answer as its own (a record under its name for
+    another user means the name was taken; it is not its answer)."""
+    uid = os.geteuid()
+    me = user_name(uid)
+    job = store.job_by_spool_file(spooled.name)
+    if job is not None:
+        if owns(job, uid, me):
+            return job, None
+        raise CliError(
+            f"the daemon recorded the name of your file {spooled.name} for job {job.id} of {job.owner}, not for you: "
+            "that is not your job, and yours was not queued; submit it again (it gets a new name)", EXIT_FAILED,
+        )
+    answer = store.request_by_file(spooled.name)
+    if answer is not None:
+        if answer.requester == me:
+            return None, answer
+        raise CliError(
+            f"the daemon recorded the name of your file {spooled.name} for a file of {answer.requester}, not for you: "
+            "its answer is not yours, and yours was not answered; run the command again (it gets a new name)", EXIT_FAILED,
+        )
+    return None, None
+
+
+def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:
+    attempts = store.attempts(job_id)
+    return heartbeat_of(attempts[-1] if attempts else None)
+
+
+def heartbeat_of(attempt: AttemptRow | None) -> dict[str, Any] | None:
+    """An attempt's heartbeat; None also when it is another user's to read (a job's workdir
+    belongs to its owner): read_json says None for every file it cannot read, and when it is
+    not a JSON object (the job's owner writes it: anything)."""
+    heartbeat = read_json(Path(attempt.directory) / HEARTBEAT) if attempt else None
+    return heartbeat if isinstance(heartbeat, dict) else None
+
+
+def job_record(store: Store, job: JobRow) -> dict[str, Any]:
+    """A job with its attempts and events, as `show --json` and `run --json` print it: the rows
+    as stored, their JSON columns as objects."""
+    record = {**job.as_stored(), "spec": job.spec_dict(), "plan": job.plan_dict()}
+    record["cancel_requested"] = job.cancel_requested
+    record["attempts"] = [
+        {**attempt.as_stored(), "plan": attempt.plan_dict(), "outcome": attempt.outcome_dict()}
+        for attempt in store.attempts(job.id)
+    ]
+    record["events"] = [event.as_stored() for event in store.events(job.id)]
+    record["heartbeat"] = latest_heartbeat(store, job.id)
+    return record

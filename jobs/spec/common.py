@@ -1,0 +1,217 @@
+"""The tables every job has, whatever its kind: [train], [ladder], [resources] and
+[notify], each a frozen dataclass with the parser of its table.
+
+A command job uses only part of [train] (keys.py SCRIPT_OWNED_TRAIN_KEYS are its script's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from oomguard.jobs.spec.keys import DEFAULT_NOTIFY_EVENTS, NOTIFY_EVENTS
+from oomguard.jobs.spec.reader import ReadContext, Section, describe_value, is_int, strip_none
+from oomguard.strategies import rungs
+from oomguard.strategies.plan import MixedPrecision
+from oomguard.strategies.units import parse_size
+
+MIXED_PRECISIONS: tuple[str, ...] = ("no", "bf16", "fp16")
+# The ladder's planner weighs every micro-batch size worth trying (about 2 * sqrt(batch), Plan.
+# micro_batch_choices) for every shape of plan the allowed rungs reach, in the daemon's loop:
+# with every rung allowed a decision took 0.4 s at a batch of 1024, 1.2 s at 4096 and 3.5 s
+# at 16384 on 2 cores, and a batch of 10**12 would never end. Larger batches are refused at
+# submit time rather than stalling the daemon.
+MAX_BATCH_SIZE = 4096
+# A seed must fit torch.manual_seed (0 .. 2**64 - 1).
+_MAX_SEED = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Training settings. ``batch_size`` is the effective batch the ladder must keep."""
+
+    batch_size: int
+    max_steps: int
+    learning_rate: float | None  # None only for a command job (its script has its own)
+    seed: int = 0
+    mixed_precision: MixedPrecision = "no"
+    # None means the default, max(1, max_steps // 10), filled in on construction.
+    checkpoint_every_steps: int = None  # type: ignore[assignment]
+    checkpoint_every_seconds: float | None = None
+    keep_checkpoints: int = 2
+    lr_warmup_steps: int = 0
+    num_train_timesteps: int = 1000
+    weight_decay: float = 0.0
+    micro_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every_steps is None:
+            object.__setattr__(self, "checkpoint_every_steps", max(1, self.max_steps // 10))
+        if self.learning_rate is not None:
+            object.__setattr__(self, "learning_rate", float(self.learning_rate))
+        object.__setattr__(self, "weight_decay", float(self.weight_decay))
+        if self.checkpoint_every_seconds is not None:
+            object.__setattr__(self, "checkpoint_every_seconds", float(self.checkpoint_every_seconds))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainSpec:
+        ctx = ReadContext("<dict>", Path.cwd(), check_files=False)
+        return parse_train(Section(ctx, "train", strip_none(data)))
+
+
+@dataclass(frozen=True)
+class LadderSpec:
+    """Which rungs a job may climb, and how many attempts it gets."""
+
+    allow: tuple[str, ...] = field(default_factory=rungs.exact_names)
+    max_attempts: int = 12
+    crash_retries: int = 2
+    # Measure a few steps at two micro-batch sizes before the first attempt and start at a
+    # plan that fits.
+    probe: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "allow", tuple(self.allow))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"allow": list(self.allow), "max_attempts": self.max_attempts, "crash_retries": self.crash_retries, "probe": self.probe}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LadderSpec:
+        ctx = ReadContext("<dict>", Path.cwd(), check_files=False)
+        return parse_ladder(Section(ctx, "ladder", strip_none(data)))
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    """What the job needs of the box: how many GPUs, and whether it may share them."""
+
+    gpus: int = 1
+    # Share GPUs with other jobs by memory (default: a GPU to itself).
+    share: bool = False
+    # Device memory per GPU the job expects to need, in bytes (None: learn it by running).
+    memory: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"gpus": self.gpus, "share": self.share, "memory": self.memory}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ResourcesSpec:
+        return cls(gpus=int(data.get("gpus", 1)), share=bool(data.get("share", False)), memory=data.get("memory"))
+
+
+@dataclass(frozen=True)
+class NotifySpec:
+    """Whom to tell, and about what: apprise URLs of the job's own, tags that pick servers of
+    the daemon's apprise configuration, and the events (see NOTIFY_EVENTS)."""
+
+    urls: tuple[str, ...] = ()
+    tags: tuple[str, ...] = ()
+    events: tuple[str, ...] = DEFAULT_NOTIFY_EVENTS
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"urls": list(self.urls), "tags": list(self.tags), "events": list(self.events)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> NotifySpec:
+        return cls(
+            urls=tuple(data.get("urls") or ()), tags=tuple(data.get("tags") or ()), events=tuple(data.get("events") or DEFAULT_NOTIFY_EVENTS)
+        )
+
+
+def parse_train(s: Section) -> TrainSpec:
+    batch_size = s.int("batch_size", minimum=1)
+    if batch_size > MAX_BATCH_SIZE:
+        raise s.fail(
+            "batch_size",
+            f"expected an integer in 1..{MAX_BATCH_SIZE}, found {batch_size} (the ladder weighs the micro-batch sizes of "
+            f"the batch in the daemon's loop; larger batches are not supported: lower it and raise max_steps)",
+        )
+    max_steps = s.int("max_steps", minimum=1)
+    learning_rate = s.number("learning_rate", gt=0.0, default=None)
+    seed = s.int("seed", minimum=0, default=0)
+    if seed > _MAX_SEED:  # torch.manual_seed refuses it: every attempt would crash
+        raise s.fail("seed", f"expected an integer in 0..{_MAX_SEED} (2**64 - 1), found {seed}")
+    mixed_precision = s.choice("mixed_precision", MIXED_PRECISIONS, default="no")
+    checkpoint_every_steps = s.int("checkpoint_every_steps", minimum=1, default=max(1, max_steps // 10))
+    checkpoint_every_seconds = s.number("checkpoint_every_seconds", gt=0.0, default=None)
+    keep_checkpoints = s.int("keep_checkpoints", minimum=1, default=2)
+    lr_warmup_steps = s.int("lr_warmup_steps", minimum=0, default=0)
+    if lr_warmup_steps >= max_steps:
+        raise s.fail(
+            "lr_warmup_steps", f"must be less than train.max_steps ({max_steps}), found {lr_warmup_steps}"
+        )
+    num_train_timesteps = s.int("num_train_timesteps", minimum=1, default=1000)
+    weight_decay = s.number("weight_decay", ge=0.0, default=0.0)
+    micro_batch = s.int("micro_batch", minimum=1, default=None)
+    if micro_batch is not None and micro_batch > batch_size:
+        raise s.fail(
+            "micro_batch", f"expected an integer in 1..{batch_size} (at most train.batch_size), found {micro_batch}"
+        )
+    return TrainSpec(
+        batch_size=batch_size,
+        max_steps=max_steps,
+        learning_rate=learning_rate,
+        seed=seed,
+        mixed_precision=mixed_precision,
+        checkpoint_every_steps=checkpoint_every_steps,
+        checkpoint_every_seconds=checkpoint_every_seconds,
+        keep_checkpoints=keep_checkpoints,
+        lr_warmup_steps=lr_warmup_steps,
+        num_train_timesteps=num_train_timesteps,
+        weight_decay=weight_decay,
+        micro_batch=micro_batch,
+    )
+
+
+def parse_ladder(s: Section) -> LadderSpec:
+    allow = s.names("allow", rungs.names(), "rung", default=rungs.exact_names())
+    max_attempts = s.int("max_attempts", minimum=1, default=12)
+    crash_retries = s.int("crash_retries", minimum=0, default=2)
+    probe = s.bool("probe", default=True)
+    return LadderSpec(allow=tuple(allow), max_attempts=max_attempts, crash_retries=crash_retries, probe=probe)
+
+
+def parse_resources(s: Section) -> ResourcesSpec:
+    gpus = s.int("gpus", minimum=1, maximum=64, default=1)
+    share = s.bool("share", default=False)
+    memory = s.get("memory", None)
+    if memory is not None:
+        if is_int(memory) and memory > 0:
+            memory = int(memory)
+        elif isinstance(memory, str):
+            try:
+                memory = parse_size(memory)
+            except ValueError as error:
+                raise s.fail("memory", str(error)) from None
+        else:
+            raise s.fail("memory", f"expected a size such as \"20GiB\", found {describe_value(memory)}")
+    return ResourcesSpec(gpus=gpus, share=share, memory=memory)
+
+
+def _string_list(s: Section, k: str, secret: bool = False) -> tuple[str, ...]:
+    """A list of non-empty strings; a ``secret`` one (URLs with tokens) is never echoed."""
+    value = s.get(k, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        found = f"a {type(value).__name__}" if secret else describe_value(value)
+        raise s.fail(k, f"expected a list of non-empty strings, found {found}")
+    return tuple(value)
+
+
+def parse_notify(s: Section) -> NotifySpec:
+    urls = _string_list(s, "urls", secret=True)
+    for url in urls:
+        scheme, separator, _ = url.partition("://")
+        if not separator or not scheme.replace("+", "").isalnum():
+            # Never echo the URL: it may hold a token.
+            raise s.fail("urls", f"entry {urls.index(url) + 1} is not an apprise URL (expected SCHEME://..., e.g. json://host/path or mailto://...)")
+    tags = _string_list(s, "tags")
+    events = s.names("events", NOTIFY_EVENTS, "notification event", default=DEFAULT_NOTIFY_EVENTS)
+    return NotifySpec(urls=urls, tags=tags, events=tuple(events))
+
