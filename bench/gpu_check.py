@@ -11,9 +11,9 @@ memory fraction N GiB / total (``torch.cuda.set_per_process_memory_fraction``, t
 oomguard's own ``jobs/memory_cap.py``), so the OOMs are PyTorch's own.
 
 Which path, and why. The built-in trainer path (``oomguard run JOB --json``) cannot train this
-model: a job file's ``[model]`` holds UNet2DModel keyword arguments only (jobs/spec.py accepts
+model: a job file's ``[model]`` holds UNet2DModel keyword arguments only (jobs/spec/ accepts
 no ``cross_attention_dim`` and no CrossAttn block types) and the runner's loop builds its
-trainer with ``jobs.trainers.unconditional.make_trainer`` (images, no text). So this script
+trainer with ``jobs.trainers.make_trainer`` (images, no text). So this script
 does not re-implement the decisions either: it runs oomguard's real runner,
 ``oomguard.jobs.run.main`` (the probe, the memory model and planner, in-process recovery
 through ``doctor.decide_in_process``, OOM figures from ``jobs/memory_cap.py``, the checkpoint
@@ -337,7 +337,8 @@ def measure_plan(trainer: ConditionalTrainer, job: Any, task: dict[str, Any]) ->
     import torch
 
     from oomguard.jobs.attempt import Control
-    from oomguard.jobs.memory_cap import DeviceMemory
+    from oomguard.jobs.device import DeviceSpec
+    from oomguard.jobs.memory_cap import open_device_memory
     from oomguard.jobs.sizes import CapSchedule
     from oomguard.jobs.training import build_training, free, one_step, unfit_to_continue
     from oomguard.strategies.plan import Plan
@@ -353,7 +354,7 @@ def measure_plan(trainer: ConditionalTrainer, job: Any, task: dict[str, Any]) ->
     else:
         # Without a cap, an emulated device that counts and never refuses.
         schedule = CapSchedule(((0, cap if cap is not None else 2**40),))
-    memory = DeviceMemory(schedule, device)
+    memory = open_device_memory(DeviceSpec(schedule), device)
     control = Control()
     result: dict[str, Any] = {"plan": plan.to_dict(), "cap": cap}
     started = time.perf_counter()
@@ -531,8 +532,10 @@ def make_job(model: str, batch: int, steps: int, allow: tuple[str, ...]) -> Any:
 def run_oomguard(job: Any, card: Card, model: str, workdir: Path, env: dict[str, str], deadline: float, threads: int | None) -> dict[str, Any]:
     """The job on one card, attempt after attempt, as the daemon runs it."""
     from oomguard.jobs.attempt import LOG, OUTCOME, AttemptConfig, read_json
+    from oomguard.jobs.device import DeviceSpec
     from oomguard.strategies import rungs
-    from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
+    from oomguard.strategies.doctor import decide
+    from oomguard.strategies.decision import GiveUp, NextPlan, PastAttempt, Retry, Wait
     from oomguard.strategies.outcome import Outcome
 
     policy = job.policy()
@@ -544,7 +547,7 @@ def run_oomguard(job: Any, card: Card, model: str, workdir: Path, env: dict[str,
     started = elapsed()
     for number in range(1, policy.max_attempts + 1):
         attempt_dir = workdir / "attempts" / f"{number:03d}"
-        config = AttemptConfig(job=job, plan=plan, number=number, workdir=workdir, emulate_device_memory=card.name,
+        config = AttemptConfig(job=job, plan=plan, number=number, workdir=workdir, device=DeviceSpec.from_option(card.name),
                                probe=job.ladder.probe and number == 1)
         config.write(attempt_dir)
         (attempt_dir / TRAINER_FILE).write_text(json.dumps({"model": model, "threads": threads}))

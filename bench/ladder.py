@@ -129,12 +129,13 @@ def sweep_task(job_path: str, plan: Any, steps: int) -> dict[str, Any]:
     import torch
 
     from oomguard.jobs.attempt import Control
-    from oomguard.jobs.memory_cap import DeviceMemory
+    from oomguard.jobs.device import DeviceSpec
+    from oomguard.jobs.memory_cap import open_device_memory
     from oomguard.jobs.sizes import CapSchedule
     from oomguard.jobs.training import build_training, free
 
     job, trainer = _job(job_path)
-    memory = DeviceMemory(CapSchedule(((0, UNLIMITED),)), torch.device("cpu"))
+    memory = open_device_memory(DeviceSpec(CapSchedule(((0, UNLIMITED),))), torch.device("cpu"))
     control = Control()
     peaks: list[int] = []
     rates: list[float] = []
@@ -168,7 +169,8 @@ def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds:
     import torch
 
     from oomguard.jobs.attempt import Control
-    from oomguard.jobs.memory_cap import DeviceMemory
+    from oomguard.jobs.device import DeviceSpec
+    from oomguard.jobs.memory_cap import open_device_memory
     from oomguard.jobs.sizes import CapSchedule
     from oomguard.jobs.training import build_training, free
 
@@ -176,7 +178,7 @@ def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds:
     state: list[dict[str, Any]] = []
     for label, batch_size, plan in arms:
         job, trainer = _job(job_path, batch_size)
-        memory = DeviceMemory(CapSchedule(((0, cap),)), device)
+        memory = open_device_memory(DeviceSpec(CapSchedule(((0, cap),))), device)
         entry = {"label": label, "trainer": trainer, "memory": memory, "control": Control(), "training": None,
                  "rates": [], "wall_rates": [], "oom": None}
         try:
@@ -224,7 +226,8 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
     from accelerate.utils.memory import should_reduce_batch_size
 
     from oomguard.jobs.attempt import Control
-    from oomguard.jobs.memory_cap import DeviceMemory
+    from oomguard.jobs.device import DeviceSpec
+    from oomguard.jobs.memory_cap import open_device_memory
     from oomguard.jobs.sizes import CapSchedule
     from oomguard.jobs.training import build_training, free
     from oomguard.strategies.plan import Plan
@@ -237,7 +240,7 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
     @find_executable_batch_size(starting_batch_size=start_batch)
     def train(batch_size: int) -> tuple[int, list[float]]:
         job, trainer = _job(job_path, batch_size)
-        memory = DeviceMemory(CapSchedule(((0, cap),)), device)
+        memory = open_device_memory(DeviceSpec(CapSchedule(((0, cap),))), device)
         control = Control()
         training = None
         step = 0

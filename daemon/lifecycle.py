@@ -22,7 +22,8 @@ from oomguard.daemon.store import Store
 from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.jobs.script_report import read_script_report
 from oomguard.jobs.spec import JobSpec
-from oomguard.strategies.doctor import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait, decide
+from oomguard.strategies.doctor import decide
+from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.units import format_bytes

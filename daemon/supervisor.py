@@ -35,7 +35,7 @@ from oomguard.daemon.store_rows import JobRow
 from oomguard.daemon.users import Account
 from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.spec import JobSpec
-from oomguard.strategies.doctor import Retry
+from oomguard.strategies.decision import Retry
 from oomguard.strategies.outcome import Outcome
 
 if TYPE_CHECKING:

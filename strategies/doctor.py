@@ -10,10 +10,10 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from oomguard.strategies import planner, rungs
 from oomguard.strategies.contention import Contention, bytes_to_wait_for, find_contention
+from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.oom_judge import is_fragmentation
 from oomguard.strategies.outcome import Outcome
@@ -23,53 +23,9 @@ from oomguard.strategies.policy import Policy
 from oomguard.strategies.units import format_bytes
 
 
-@dataclass(frozen=True)
-class PastAttempt:
-    plan: Plan
-    outcome: Outcome
-
-
-@dataclass(frozen=True)
-class NextPlan:
-    """Take a rung: run the next attempt under ``plan``."""
-
-    plan: Plan
-    rung: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Retry:
-    """Run the same plan again (a crash that may be transient, or an interruption), not
-    before ``after_seconds``: a crash that comes from the machine (a full disk, a lost mount)
-    must not use up every retry in the seconds it lasts."""
-
-    reason: str
-    after_seconds: float = 0.0
-
-
 # Crash retry n (from 1) waits this long times 3**(n-1), at most CRASH_BACKOFF_MAX_SECONDS.
 CRASH_BACKOFF_SECONDS = 5.0
 CRASH_BACKOFF_MAX_SECONDS = 300.0
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Another process took the memory: wait until ``free_bytes`` are free on the job's GPUs
-    again, then run the same plan."""
-
-    reason: str
-    free_bytes: int
-
-
-@dataclass(frozen=True)
-class GiveUp:
-    """Stop: a person has to act. ``report`` says what was tried and what could be done;
-    ``next_step`` what the job's owner does now."""
-
-    reason: str
-    report: str
-    next_step: str
 
 
 # What the ladder is for: a job that failed of anything else gets no advice about rungs.
@@ -89,8 +45,6 @@ NEXT_STEP_OTHERWISE = "look at the job's logs (`oomguard logs`) and submit it ag
 # pass, so a crash with one keeps its backed-off retries even when it repeats exactly.
 MACHINE_TROUBLE = re.compile(r"No space left on device|Disk quota exceeded|Input/output error|Stale file handle|Transport endpoint is not connected")
 
-
-Decision = NextPlan | Retry | Wait | GiveUp
 
 
 def describe_oom(outcome: Outcome) -> str:

@@ -71,23 +71,6 @@ def test_an_oom_only_a_new_process_can_fix_ends_the_attempt_and_the_next_one_res
     assert second["outcome"]["kind"] == "finished" and second["outcome"]["step"] == 8
 
 
-def test_a_rung_the_runner_takes_is_an_event_while_the_attempt_still_runs(tmp_path: Path, daemon_factory) -> None:
-    daemon = daemon_factory("--emulate-device-memory", "64MiB,3500KiB@3")
-    oomguard("submit", str(tiny_job(tmp_path, max_steps=400)), state_dir=daemon.state_dir, check=True)
-
-    def escalated_while_running():
-        record = daemon.show("1")
-        running = record["state"] == "running" and record["attempts"] and record["attempts"][-1]["outcome"] is None
-        return running and [e for e in record["events"] if e["kind"] == "escalated"]
-
-    (event,) = wait_for(escalated_while_running, 90, "an escalation event while the attempt runs")
-    assert event["message"].startswith("at step 3, in the runner: [mb=8x1] -> [")
-    oomguard("cancel", "1", state_dir=daemon.state_dir, check=True)
-    record = daemon.wait_job("1")
-    # Reported once: not again when the attempt ended.
-    assert [e["kind"] for e in record["events"]].count("escalated") == 1
-
-
 def test_stopping_and_restarting_the_daemon_loses_nothing(tmp_path: Path, daemon_factory) -> None:
     state_dir = tmp_path / "state"
     daemon = daemon_factory("--stop-jobs", state_dir=state_dir)
@@ -131,16 +114,28 @@ def test_sigterm_leaves_the_attempt_running_and_the_next_daemon_adopts_it(tmp_pa
     assert attempt["outcome"]["kind"] == "finished" and attempt["outcome"]["resumed_from"] is None
 
 
-def test_cancel_checkpoints_and_stops_the_job(tmp_path: Path, daemon_factory) -> None:
-    daemon = daemon_factory()
+def test_a_rung_the_runner_takes_is_an_event_while_it_runs_and_cancel_stops_the_job(tmp_path: Path, daemon_factory) -> None:
+    # One long job for both (a runner start is most of an e2e test's time): the cap drops at
+    # step 3, the runner steps down by itself, and the escalation is an event while the attempt
+    # still runs; then the job is cancelled.
+    daemon = daemon_factory("--emulate-device-memory", "64MiB,3500KiB@3")
     oomguard("submit", str(tiny_job(tmp_path, max_steps=400)), state_dir=daemon.state_dir, check=True)
-    wait_for(lambda: (daemon.show("tiny").get("heartbeat") or {}).get("step", 0) >= 1, 90, "training to start")
+
+    def escalated_while_running():
+        record = daemon.show("1")
+        running = record["state"] == "running" and record["attempts"] and record["attempts"][-1]["outcome"] is None
+        return running and [e for e in record["events"] if e["kind"] == "escalated"]
+
+    (event,) = wait_for(escalated_while_running, 90, "an escalation event while the attempt runs")
+    assert event["message"].startswith("at step 3, in the runner: [mb=8x1] -> [")
 
     cancelled = oomguard("cancel", "tiny", state_dir=daemon.state_dir, check=True)
     assert "cancel requested for job 1" in cancelled.stdout
     record = daemon.wait_job("1")
     assert record["state"] == "cancelled"
     assert record["attempts"][0]["outcome"]["kind"] == "interrupted"
+    # Reported once: not again when the attempt ended.
+    assert [e["kind"] for e in record["events"]].count("escalated") == 1
     again = oomguard("cancel", "1", state_dir=daemon.state_dir)
     assert again.returncode == 1 and "already ended" in again.stderr
     missing = oomguard("show", "nope", state_dir=daemon.state_dir)

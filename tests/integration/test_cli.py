@@ -167,7 +167,6 @@ def test_the_pipe_test_covers_every_command() -> None:
 
 @pytest.mark.parametrize("command", EVERY_COMMAND, ids=" ".join)
 def test_every_command_exits_quietly_when_its_reader_has_gone(tmp_path: Path, command: list[str]) -> None:
-    from oomguard.daemon.monitor import sample_row
     from oomguard.daemon.paths import StateDir
     from oomguard.daemon.store import Store
     from oomguard.jobs.emulated_gpus import EmulatedGpu, EmulatedGpuFolder

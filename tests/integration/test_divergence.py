@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from oomguard.jobs.faults import INJECT_FAULT_ENV
-from oomguard.strategies.doctor import NextPlan, PastAttempt, decide
+from oomguard.strategies.doctor import decide
+from oomguard.strategies.decision import NextPlan, PastAttempt
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.policy import Policy
 from tests.jobs_helpers import run_runner, tiny_job, write_attempt

@@ -12,7 +12,8 @@ from pathlib import Path
 from oomguard.jobs import checkpoints
 from oomguard.jobs.attempt import HEARTBEAT, OUTCOME
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV, EmulatedGpuFolder, parse_gpus
-from oomguard.strategies.doctor import PastAttempt, Wait, decide
+from oomguard.strategies.doctor import decide
+from oomguard.strategies.decision import PastAttempt, Wait
 from oomguard.strategies.outcome import EXIT_OOM, Outcome
 from tests.jobs_helpers import running_runner, tiny_job, write_attempt
 

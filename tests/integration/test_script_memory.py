@@ -18,7 +18,6 @@ from oomguard.jobs.command import BOOTSTRAP_DIR
 
 pytestmark = pytest.mark.slow
 
-SAVE_UNET = Path(__file__).parents[1] / "scripts" / "save_tiny_unet.py"
 
 # Each way prints the live bytes of the emulated device against the bytes of the model's
 # parameters and buffers once the model is on the job's device.
@@ -69,7 +68,9 @@ def bootstrapped(code: str, *args: str, cap: str) -> subprocess.CompletedProcess
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("unet")
-    subprocess.run([sys.executable, str(SAVE_UNET), str(folder)], check=True, capture_output=True, timeout=180)
+    from tests.scripts.save_tiny_unet import save_tiny_unet  # diffusers: imported only where needed
+
+    save_tiny_unet(str(folder))
     assert (folder / "diffusion_pytorch_model.safetensors").is_file()
     return folder
 

@@ -4,16 +4,8 @@ import time
 
 import pytest
 
-from oomguard.strategies.doctor import (
-    GiveUp,
-    NextPlan,
-    PastAttempt,
-    Retry,
-    Wait,
-    decide,
-    describe_oom,
-    report,
-)
+from oomguard.strategies.doctor import decide, describe_oom, report
+from oomguard.strategies.decision import GiveUp, NextPlan, PastAttempt, Retry, Wait
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.oom_judge import is_fragmentation
 from oomguard.strategies.outcome import (

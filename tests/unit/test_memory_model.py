@@ -8,7 +8,8 @@ import math
 import pytest
 
 from oomguard.strategies import planner
-from oomguard.strategies.doctor import GiveUp, NextPlan, PastAttempt, decide, decide_in_process
+from oomguard.strategies.doctor import decide, decide_in_process
+from oomguard.strategies.decision import GiveUp, NextPlan, PastAttempt
 from oomguard.strategies.memory_model import MARGIN_MEASURED, Measurement, MemoryModel, shape_of
 from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan

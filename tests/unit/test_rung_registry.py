@@ -12,7 +12,8 @@ from oomguard.jobs.command import render
 from oomguard.jobs.spec.command import CommandSpec, check, exposed_rungs
 from oomguard.jobs.spec.keys import when_keys
 from oomguard.strategies import planner, rungs
-from oomguard.strategies.doctor import NextPlan, PastAttempt, decide
+from oomguard.strategies.doctor import decide
+from oomguard.strategies.decision import NextPlan, PastAttempt
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan

@@ -284,7 +284,8 @@ def _stored_job(tmp_path: Path, **fields: Any) -> tuple[Path, int]:
 
 
 def test_show_status_and_logs_print_a_users_text_inert(tmp_path: Path, capsys) -> None:
-    from oomguard.strategies.doctor import PastAttempt, report
+    from oomguard.strategies.doctor import report
+    from oomguard.strategies.decision import PastAttempt
     from oomguard.strategies.policy import Policy
 
     # The doctor's report quotes what an attempt said, as one line each.
