@@ -38,12 +38,13 @@ demo: $(STAMP)
 	@echo "the attempt's log: $(BIN)/oomguard --state-dir demo-workdir/.oomguard logs 1"
 	@echo "the job's record:  $(BIN)/oomguard --state-dir demo-workdir/.oomguard show 1"
 
-# The whole suite but the benchmark smoke runs (marker `bench`), in two worker processes: most
-# tests wait on daemons and runners, so two at a time fill both cores. A file's tests stay in
-# one worker (they share module fixtures: a daemon, a corpus). One torch thread per process:
-# two workers' runners with a thread per core each fought over the cores.
+# The whole suite but the benchmark smoke runs (marker `bench`), in TEST_WORKERS processes: on 2
+# cores a third worker keeps them busy while another waits on a daemon, a poll or a sleep. A
+# file's tests stay in one worker (they share module fixtures: a daemon, a corpus). One torch
+# thread per process: workers' runners with a thread per core each fought over the cores.
+TEST_WORKERS ?= 3
 test: $(STAMP)
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not bench" -n 2 --dist loadfile
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not bench" -n $(TEST_WORKERS) --dist loadfile
 
 # The unit layer alone: no process started, no sleep (tests/unit/conftest.py refuses both).
 test-fast: $(STAMP)
