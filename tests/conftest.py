@@ -174,26 +174,3 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-# The files that take longest (wall time, measured in `make test`'s workers), started first: with
-# --dist loadfile a file runs in one worker, and a long one that starts last keeps that worker
-# busy while the others have nothing left (longest first is the usual cure for that).
-LONGEST_FIRST = (
-    "tests/e2e/test_daemon.py",
-    "tests/integration/test_runner_rungs.py",
-    "tests/e2e/test_script_resume.py",
-    "tests/integration/test_runner.py",
-    "tests/integration/test_script_memory.py",
-    "tests/e2e/test_command_jobs.py",
-    "tests/e2e/test_run_equivalence.py",
-    "tests/e2e/test_security_paths.py",
-    "tests/e2e/test_notifications.py",
-    "tests/e2e/test_lab_box.py",
-    "tests/e2e/test_bad_inputs.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
