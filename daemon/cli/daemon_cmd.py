@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.daemon.cli.foreground import DaemonLock, stop_on_signals
 from oomguard.daemon.cli.output import EXIT_OK, CliError, print_event
-from oomguard.daemon.cli.state import cap_schedule, create_state_dir, current_user
+from oomguard.daemon.cli.state import device_from_option, create_state_dir, current_user
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store
 from oomguard.daemon.text import escape
-from oomguard.jobs.device import DeviceSpec
 from oomguard.strategies.errors import InsecureStateDir, NoGpus
 
 if TYPE_CHECKING:  # for the annotations only: the daemon's modules are imported when it starts
@@ -65,7 +64,7 @@ def _daemon(args: argparse.Namespace) -> int:
     notifier = Notifier(config_paths, throttle_seconds=args.notify_throttle)
     spool = Spool(state.inbox, state.accepted, state.rejected)
     supervisor = Supervisor(
-        state, store, max_parallel=args.max_parallel, device=DeviceSpec.from_option(cap_schedule(args.emulate_device_memory)), on_event=print_event,
+        state, store, max_parallel=args.max_parallel, device=device_from_option(args.emulate_device_memory), on_event=print_event,
         spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
         max_user_priority=max_user_priority,
     )

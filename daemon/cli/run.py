@@ -11,9 +11,8 @@ from typing import Any
 
 from oomguard.daemon.cli.foreground import DaemonLock, stop_on_signals
 from oomguard.daemon.cli.output import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CliError, print_event
-from oomguard.daemon.cli.state import cap_schedule, job_record, latest_heartbeat, open_store
+from oomguard.daemon.cli.state import device_from_option, job_record, latest_heartbeat, open_store
 from oomguard.daemon.store import TERMINAL_STATES
-from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.spec import load_job_file
 from oomguard.strategies.errors import JobFileError
 
@@ -41,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec = load_job_file(Path(args.file))
     except JobFileError as error:
         raise CliError(f"rejected: {error}") from None
-    device = DeviceSpec.from_option(cap_schedule(args.emulate_device_memory))
+    device = device_from_option(args.emulate_device_memory)
     workdir = Path(args.workdir).resolve()
     if (workdir / "final").exists():
         raise CliError(f"{workdir} already holds a finished run ({workdir / 'final'}); choose another --workdir or remove it")

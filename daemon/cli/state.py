@@ -16,6 +16,7 @@ from oomguard.daemon.store import Store, owns
 from oomguard.daemon.store_rows import AttemptRow, JobRow, RequestRow
 from oomguard.daemon.users import user_name
 from oomguard.jobs.attempt import HEARTBEAT, read_json
+from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.sizes import CapSchedule
 from oomguard.strategies.errors import AmbiguousJobName, InboxNameTaken, JobNotFound
 
@@ -24,12 +25,13 @@ def current_user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
-def cap_schedule(text: str | None) -> str | None:
-    """Validate an --emulate-device-memory value; returns its canonical text."""
+def device_from_option(text: str | None) -> DeviceSpec:
+    """The device an --emulate-device-memory value asks for (None: the real one), parsed once;
+    a value that is not a capacity schedule is the user's error."""
     if text is None:
-        return None
+        return DeviceSpec()
     try:
-        return str(CapSchedule.parse(text))
+        return DeviceSpec(CapSchedule.parse(text))  # "" too is a value, and not a schedule
     except ValueError as error:
         raise CliError(f"--emulate-device-memory: {error}") from None
 
