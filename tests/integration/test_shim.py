@@ -197,8 +197,14 @@ def test_processes_the_command_leaves_behind_are_ended_with_the_attempt(tmp_path
 
 def test_sigterm_to_the_shims_group_reaches_ranks_in_sessions_of_their_own(tmp_path: Path):
     attempt = tmp_path / "cancelled"
-    rank = "import os, time\nprint('rank', os.environ['RANK'], 'up', flush=True)\ntime.sleep(600)"
-    shim = start_shim(attempt, sys.executable, str(SCRIPTS / "naive_launcher.py"), "2", sys.executable, "-c", rank)
+    # One write(2) per rank: print() with several arguments writes each piece on its own when
+    # output is unbuffered, and two ranks' pieces then interleave ("rankrank 1  0up").
+    rank = "import os, time\nos.write(1, f\"rank {os.environ['RANK']} up\\n\".encode())\ntime.sleep(600)"
+    # The launcher outlives SIGTERM and waits for its ranks, so the attempt ends only if the
+    # shim passes the signal on to them; they are gone before the launcher's exit is seen
+    # (nothing is left for the shim's teardown: left_over 0, whatever the load).
+    launcher = (str(SCRIPTS / "naive_launcher.py"), "--ignore-sigterm", "2")
+    shim = start_shim(attempt, sys.executable, *launcher, sys.executable, "-c", rank)
     for number in (0, 1):
         wait_for_text(attempt / "output.log", f"rank {number} up")
     started = time.monotonic()

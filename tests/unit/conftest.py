@@ -11,6 +11,11 @@ from typing import Any
 
 import pytest
 
+# matplotlib builds its font cache the first time it is imported in a fresh environment (a new
+# venv, CI), asking fontconfig's fc-list in a process: done here, before the guard, so that the
+# report tests draw with the cache as they would on any later run.
+import matplotlib.font_manager  # noqa: F401, E402
+
 
 class ProcessStarted(AssertionError):
     """A unit test tried to start a process."""
