@@ -320,7 +320,7 @@ def measure_worker() -> int:
         if not line.strip():
             continue
         task = json.loads(line)
-        job = JobSpec.from_dict(task["job"])
+        job = JobSpec.parse(task["job"])
         trainer = trainers.get(task["model"])
         if trainer is None:
             trainer = trainers[task["model"]] = ConditionalTrainer(job, task["model"])
@@ -508,7 +508,7 @@ def make_job(model: str, batch: int, steps: int, allow: tuple[str, ...]) -> Any:
     built-in trainer; ConditionalTrainer ignores both (its model and data are MODELS[model])."""
     from oomguard.jobs.spec import JobSpec
 
-    return JobSpec.from_dict({
+    return JobSpec.parse({
         "name": f"{model}-text-to-image",
         "trainer": "unconditional",
         "data": {"source": f"synthetic:{batch}", "resolution": 8},

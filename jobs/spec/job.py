@@ -132,12 +132,11 @@ class JobSpec:
         return train
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> JobSpec:
-        """Inverse of :meth:`to_dict` (``from_dict(s.to_dict()) == s``, also through JSON).
-
-        Validates like a job file but does not look at the file system, so a job whose image
-        folder has since gone still loads. Raises :class:`JobFileError` on bad input.
-        """
+    def parse(cls, data: Mapping[str, Any]) -> JobSpec:
+        """A job given as a dict (a job file's tables, or :meth:`to_dict`'s output), validated
+        like a job file but without looking at the file system (``parse(s.to_dict()) == s``,
+        also through JSON). Raises :class:`JobFileError` on bad input. The way in for a dict
+        that was never validated; a stored spec comes back through :meth:`load`."""
         if not isinstance(data, Mapping):
             raise JobFileError("<dict>", None, f"expected a mapping, found {describe_value(data)}")
         raw = dict(data)
@@ -154,7 +153,7 @@ class JobSpec:
         as it was: no validation and no file-system access, since it was validated once, at
         intake. ``load(s.to_dict()) == s``, also through JSON; unknown keys are ignored, as
         Plan.from_dict ignores them. A dict that was never validated goes through
-        :meth:`from_dict`."""
+        :meth:`parse`."""
         train = _stored_fields(TrainSpec, data["train"])
         train.setdefault("learning_rate", None)  # a command job stores none: its script has its own
         return cls(
@@ -174,10 +173,6 @@ class JobSpec:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=False)
-
-    @classmethod
-    def from_json(cls, text: str) -> JobSpec:
-        return cls.from_dict(json.loads(text))
 
 
 def _stored_fields(part: type, stored: Mapping[str, Any]) -> dict[str, Any]:

@@ -192,7 +192,7 @@ def test_the_daemon_never_enters_a_workdir_for_its_owner(open_tmp: Path, account
     store = Store(state.database)
     supervisor = Supervisor(state, store, max_parallel=1)
     try:
-        hers = supervisor.add_job(JobSpec.from_dict({
+        hers = supervisor.add_job(JobSpec.parse({
             "name": "alice-a", "trainer": "command", "train": {"batch_size": 4, "max_steps": 3},
             "command": {"argv": [sys.executable, "-c", "print('alice-secret-output')"], "cwd": "/"},
         }), alice)
@@ -206,7 +206,7 @@ def test_the_daemon_never_enters_a_workdir_for_its_owner(open_tmp: Path, account
         loot = home / "loot"
         steal = f"import os, shutil; print(os.getcwd(), flush=True); shutil.copy('001/output.log', {str(loot)!r})"
         workdir = home / "w"
-        his = supervisor.add_job(JobSpec.from_dict({
+        his = supervisor.add_job(JobSpec.parse({
             "name": "bob-w", "trainer": "command", "workdir": str(workdir), "train": {"batch_size": 4, "max_steps": 3},
             "command": {"argv": [sys.executable, "-c", steal]}, "ladder": {"crash_retries": 0},
         }), bob)

@@ -66,7 +66,7 @@ def test_only_the_knobs_a_script_exposes_are_rungs():
 
 def test_a_job_round_trips_through_the_store():
     spec = job(extra='[command.env]\nHF_HUB_OFFLINE = "1"\nOUT = "{workdir}/x"\n')
-    assert JobSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert JobSpec.parse(json.loads(json.dumps(spec.to_dict()))) == spec
     _, env = render(spec.command, Plan.initial(16), Path("/w"), 1)
     assert env == {"HF_HUB_OFFLINE": "1", "OUT": "/w/x"}
 
@@ -278,7 +278,7 @@ def test_a_multi_process_command_splits_the_batch_over_its_processes():
     assert (plan.world_size, plan.micro_batch, plan.grad_accum) == (2, 8, 1)
     argv, _ = render(spec.command, plan.replace(micro_batch=2), Path("/w"), 1)
     assert {"--train_batch_size=2", "--gradient_accumulation_steps=4", "--num_processes=2"} <= set(argv)
-    assert JobSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert JobSpec.parse(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
 @pytest.mark.parametrize(

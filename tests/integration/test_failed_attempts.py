@@ -37,7 +37,7 @@ class Notifications:
 
 def command_job(argv: list[str], cwd: Path) -> JobSpec:
     """A command job as the daemon keeps it (its paths not looked at again)."""
-    return JobSpec.from_dict({"name": "script", "trainer": "command", "command": {"argv": argv, "cwd": str(cwd)}, "train": {"batch_size": 4, "max_steps": 3}})
+    return JobSpec.parse({"name": "script", "trainer": "command", "command": {"argv": argv, "cwd": str(cwd)}, "train": {"batch_size": 4, "max_steps": 3}})
 
 
 @pytest.fixture

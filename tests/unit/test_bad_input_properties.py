@@ -192,13 +192,13 @@ def test_a_mutated_job_is_a_job_or_one_line_naming_the_problem(job: dict[str, An
     if isinstance(outcome, JobFileError):
         assert outcome.path == "job.toml" and str(outcome).startswith("job.toml: ")
     # The same dict through the store's path (no file system checks): the same kind of answer.
-    refused_or_valid(lambda: JobSpec.from_dict(job))
+    refused_or_valid(lambda: JobSpec.parse(job))
 
 
 @FAST
 @given(st.dictionaries(st.text(max_size=10) | st.sampled_from(KNOWN_KEYS), values, max_size=8))
 def test_any_dict_is_a_job_or_a_job_file_error(data: dict[str, Any]) -> None:
-    refused_or_valid(lambda: JobSpec.from_dict(data))
+    refused_or_valid(lambda: JobSpec.parse(data))
 
 
 @pytest.fixture(scope="module")

@@ -169,10 +169,10 @@ def test_quickstart_defaults_filled():
 
 def test_quickstart_round_trips_through_dict_and_json():
     job = load_job_file(QUICKSTART)
-    assert JobSpec.from_dict(job.to_dict()) == job
-    assert JobSpec.from_dict(json.loads(json.dumps(job.to_dict()))) == job
-    assert JobSpec.from_json(job.to_json()) == job
-    assert JobSpec.from_dict(job.to_dict()).to_dict() == job.to_dict()
+    assert JobSpec.parse(job.to_dict()) == job
+    assert JobSpec.parse(json.loads(json.dumps(job.to_dict()))) == job
+    assert JobSpec.parse(json.loads(job.to_json())) == job
+    assert JobSpec.parse(job.to_dict()).to_dict() == job.to_dict()
 
 
 def test_quickstart_initial_plan():
@@ -531,7 +531,7 @@ def test_no_hint_when_nothing_is_close():
 def test_valid_variations(changes: dict[str, Any], check):
     job = parse(with_changes(changes))
     assert check(job)
-    assert JobSpec.from_dict(json.loads(json.dumps(job.to_dict()))) == job
+    assert JobSpec.parse(json.loads(json.dumps(job.to_dict()))) == job
 
 
 def test_dotted_keys_and_inline_tables_are_fine():
@@ -772,8 +772,8 @@ def test_rich_job_round_trips(tmp_path: Path):
     d = job.to_dict()
     assert d["train"]["micro_batch"] == 4 and d["workdir"] == str((tmp_path / "out").resolve())
     assert d["ladder"]["allow"] == ["offload", "allocator", "precision"]
-    assert JobSpec.from_dict(d) == job
-    assert JobSpec.from_dict(json.loads(json.dumps(d))) == job
+    assert JobSpec.parse(d) == job
+    assert JobSpec.parse(json.loads(json.dumps(d))) == job
     assert job.initial_plan() == Plan(batch_size=16, micro_batch=4, mixed_precision="fp16")
 
 
@@ -793,7 +793,7 @@ def test_from_dict_does_not_touch_the_file_system(tmp_path: Path):
     for p in (tmp_path / "imgs").iterdir():
         p.unlink()
     (tmp_path / "imgs").rmdir()
-    assert JobSpec.from_dict(d) == job
+    assert JobSpec.parse(d) == job
 
 
 @pytest.mark.parametrize(
@@ -810,12 +810,12 @@ def test_from_dict_validates(mutate, key: str):
     d = load_job_file(QUICKSTART).to_dict()
     mutate(d)
     with pytest.raises(JobFileError) as info:
-        JobSpec.from_dict(d)
+        JobSpec.parse(d)
     assert info.value.key == key
 
 
 def test_from_dict_accepts_a_parsed_toml_dict_and_fills_defaults():
-    job = JobSpec.from_dict(base_doc())
+    job = JobSpec.parse(base_doc())
     assert job == parse(base_doc()).replace(source_path=None)
     assert job.ladder == LadderSpec()
 
@@ -838,7 +838,7 @@ def stored_specs(tmp_path: Path) -> list[JobSpec]:
 def test_load_rebuilds_a_stored_spec_as_it_was(tmp_path: Path):
     for job in stored_specs(tmp_path):
         stored = json.loads(json.dumps(job.to_dict()))
-        assert JobSpec.load(stored) == job == JobSpec.from_dict(stored)
+        assert JobSpec.load(stored) == job == JobSpec.parse(stored)
         assert JobSpec.load(job.to_dict()).to_dict() == job.to_dict()
 
 
@@ -934,7 +934,7 @@ def test_direct_construction_normalises():
         ),
         train=train,
     )
-    assert JobSpec.from_dict(job.to_dict()) == job
+    assert JobSpec.parse(job.to_dict()) == job
     assert job.initial_plan() == Plan.initial(4)
 
 
@@ -973,7 +973,7 @@ def test_resources_and_notify_round_trip() -> None:
     )
     assert (spec.resources.gpus, spec.resources.share, spec.resources.memory) == (2, True, 20 * 2**30)
     assert spec.notify.urls == ("json://h/x",) and spec.notify.events == ("failed",)
-    assert JobSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+    assert JobSpec.parse(json.loads(json.dumps(spec.to_dict()))) == spec
 
 
 def test_an_unknown_key_in_a_command_job_lists_only_the_keys_a_command_job_may_use(tmp_path):

@@ -65,7 +65,7 @@ def box(tmp_path: Path) -> Iterator[Box]:
 
 def add(supervisor: Supervisor, name: str, priority: int = 0) -> int:
     spec = tiny_job(name)
-    return supervisor.add_job(spec.__class__.from_dict({**spec.to_dict(), "priority": priority}), Account.current())
+    return supervisor.add_job(spec.__class__.parse({**spec.to_dict(), "priority": priority}), Account.current())
 
 
 def test_the_highest_priority_starts_first_then_first_come_first_served(box: Box) -> None:

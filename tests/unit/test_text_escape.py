@@ -203,7 +203,7 @@ def test_the_public_spec_holds_no_secret_and_means_the_same_to_the_scheduler() -
     assert public["notify"]["urls"][0].startswith("json://127.0.0.1:9/****?")
     assert public_spec(public) == public and not shows_secrets(public) and shows_secrets(full)
     # The masked job is still a valid job with the same rungs and plan.
-    stored = JobSpec.from_dict(json.loads(text))
+    stored = JobSpec.parse(json.loads(text))
     assert stored.policy() == spec.policy() and stored.initial_plan() == spec.initial_plan()
     # The secrets file holds what was masked; with it, the command gets its real environment.
     secrets = secrets_of(full)
