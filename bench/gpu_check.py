@@ -530,6 +530,7 @@ def make_job(model: str, batch: int, steps: int, allow: tuple[str, ...]) -> Any:
 
 
 def run_oomguard(job: Any, card: Card, model: str, workdir: Path, env: dict[str, str], deadline: float, threads: int | None) -> dict[str, Any]:
+    # Over 60 lines: the attempt loop as the daemon takes it, step by step; split, its order would be hidden.
     """The job on one card, attempt after attempt, as the daemon runs it."""
     from oomguard.jobs.attempt import LOG, OUTCOME, AttemptConfig, read_json
     from oomguard.jobs.device import DeviceSpec
@@ -649,6 +650,7 @@ def follow(process: subprocess.Popen[Any], output: Path, deadline: float, prefix
 
 
 def summarise_oomguard(attempts: list[dict[str, Any]], state: str) -> dict[str, Any]:
+    # Over 60 lines: one pass over the attempts that gathers every figure of the summary.
     """Landed plan, OOMs by where they happened, and the landed plan's steps."""
     from oomguard.strategies.plan import Plan
 
@@ -982,6 +984,7 @@ def card_rows(summary: dict[str, Any]) -> str:
 
 
 def markdown(summary: dict[str, Any]) -> str:
+    # Over 60 lines: the report's text, in the order it is read.
     m = summary["machine"]
     s = summary["settings"]
     device = (f"{m['gpu']} ({fmt_bytes(m['gpu_total_bytes'])})" if m["gpu"] else
@@ -1120,6 +1123,7 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
 
 
 def main() -> int:
+    # Over 60 lines: the options, then the check's sequence, read top to bottom.
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, a tiny model and emulated cards of a few MiB (writes gpu-dry-run.md/json)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the results go (default: bench/results)")

@@ -280,6 +280,7 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
 
 
 def oomguard_task(job_path: str, cap: int, workdir: str, timeout: float) -> dict[str, Any]:
+    # Over 60 lines: one CLI run and the reading of its JSON, kept side by side.
     """The real CLI on the job under ``cap``, with the product's defaults."""
     from oomguard.strategies.plan import Plan
 
@@ -548,6 +549,7 @@ def median(values: Iterable[float | None]) -> float | None:
 
 
 def main() -> int:
+    # Over 60 lines: the options, then the benchmark's sequence, read top to bottom.
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("jobs", nargs="*", type=Path, help="job files (default: bench/jobs/*.toml)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes at once (default: 2)")
@@ -692,6 +694,7 @@ def _initial(batch_size: int) -> Any:
 
 
 def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, Any], args: argparse.Namespace, planner: Any) -> dict[str, Any]:
+    # Over 60 lines: every column of a pair's row computed in one place.
     rows = []
     for pair in pairs:
         job, og, acc, race = pair["job"], pair["oomguard"], pair["accelerate"], pair.get("race", {})
@@ -851,6 +854,7 @@ def pair_table(summary: dict[str, Any]) -> str:
 
 
 def markdown(summary: dict[str, Any], plotted: bool) -> str:
+    # Over 60 lines: the report's text, in the order it is read.
     m, st = summary["machine"], summary["settings"]
     recognised = all(r["accelerate"]["oom_recognised_by_accelerate"] in (True, None) for r in summary["pairs"])
     out = [

@@ -474,6 +474,7 @@ def write_job(folder: Path, name: str, model: str, batch_size: int, max_steps: i
 
 
 def in_process_recovery(processes: Processes, tailer: Tailer, scratch: Path, reps: int, timeout: float) -> dict[str, Any]:
+    # Over 60 lines: one measurement's set-up, runs and figures, in the order they happen.
     folder = scratch / "in-process"
     max_steps = IN_PROCESS_DROP + 4
     job_file = write_job(folder, "speed-in-process", MODEL_QUICKSTART, 16, max_steps, 1000, ["allocator", "micro_batch", "checkpointing"])
@@ -573,6 +574,7 @@ def _stamp(text: str, pattern: str) -> float | None:
 
 
 def restart_recovery(processes: Processes, scratch: Path, reps: int, timeout: float) -> dict[str, Any]:
+    # Over 60 lines: one measurement's set-up, runs and figures, in the order they happen.
     folder = scratch / "restart"
     folder.mkdir(parents=True)
     max_steps = RESTART_DROP + 2
@@ -674,6 +676,7 @@ def supervisor_overhead(
     processes: Processes, tailer: Tailer, scratch: Path, pairs: int, window: float, timeout: float, deadline: float | None = None, min_pairs: int = 2,
     overlap_start: bool = False,
 ) -> dict[str, Any]:
+    # Over 60 lines: the three arms take turns in one loop, so that machine noise hits all alike.
     """Arm A (daemon + shim + runner) and arms B and C (the runner alone, twice: C is the
     control) train the same job at the same time, but only one arm runs at any moment: the
     others' processes are stopped (SIGSTOP, all of them: daemon, shim and runner), and the arms
@@ -889,6 +892,7 @@ def _runner_pid(attempt_dir: Path) -> int | None:
 def queue_scale(
     processes: Processes, scratch: Path, jobs: int, cli_sample: int, repeats: int, status_repeats: int, idle_seconds: float, timeout: float,
 ) -> dict[str, Any]:
+    # Over 60 lines: one measurement's set-up, runs and figures, in the order they happen.
     from oomguard.daemon.inbox import spool_text, write_to_inbox
 
     folder = scratch / "queue"
@@ -1074,6 +1078,7 @@ def summary_table(r: dict[str, Any]) -> str:
 
 
 def markdown(r: dict[str, Any]) -> str:
+    # Over 60 lines: the report's text, in the order it is read.
     m, s = r["machine"], r["settings"]
     out = [
         "# Speed benchmark",
@@ -1309,6 +1314,7 @@ def _commit() -> str | None:
 
 
 def main() -> int:
+    # Over 60 lines: the options, then the benchmark's sequence, read top to bottom.
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (1 repetition, 100 queued jobs): under a minute, for the test")
     parser.add_argument("--reps", type=int, default=None, help="repetitions of each recovery measurement (default 5; 1 with --quick)")

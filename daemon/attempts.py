@@ -21,12 +21,12 @@ from oomguard.daemon.job_secrets import with_env
 from oomguard.daemon.launch import Exit, Handle, Launcher, LaunchRequest
 from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.monitor import GpuMonitor
+from oomguard.daemon.placement import Placement
 from oomguard.daemon.store import Store
 from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import HEARTBEAT, AttemptConfig, AttemptFiles
 from oomguard.jobs.command import ATTEMPT_ENV, BOOTSTRAP_DIR, render
-from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.script_report import first_schedules
 from oomguard.jobs.spec import JobSpec
@@ -93,7 +93,7 @@ class Attempts:
 
     def __init__(
         self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, secrets: Secrets, jobs: JobCache, *,
-        gpus: GpuMonitor | None, stall_seconds: float, after: Callable[[JobRow, Outcome], None], device: DeviceSpec,
+        gpus: GpuMonitor | None, stall_seconds: float, after: Callable[[JobRow, Outcome], None],
     ) -> None:
         self.store = store
         self.clock = clock
@@ -103,9 +103,6 @@ class Attempts:
         self.secrets = secrets
         self.jobs = jobs  # parsed specs and needs, kept by the scheduler
         self.gpus = gpus
-        # The device every attempt this daemon starts trains on (--emulate-device-memory):
-        # decided when an attempt starts, not stored with the job.
-        self.device = device
         self.stall_seconds = stall_seconds
         self.after = after  # what the job does next, once its attempt's end is recorded
         self.running: dict[int, Running] = {}
@@ -113,7 +110,9 @@ class Attempts:
     def files_of(self, attempt: AttemptRow) -> AttemptFiles:
         return files_of(self.store, attempt)
 
-    def start(self, job: JobRow, gpus: tuple[int, ...] | None) -> None:
+    def start(self, job: JobRow, placement: Placement) -> None:
+        """Start the job's next attempt where the scheduler placed it (its GPUs and device)."""
+        gpus = placement.gpus
         spec = self.jobs.spec(job)
         plan = job.plan
         number = len(self.store.attempts(job.id)) + 1
@@ -125,7 +124,7 @@ class Attempts:
             plan=plan,
             number=number,
             workdir=workdir,
-            device=self.device,
+            device=placement.device,
             # Only the job's first attempt measures: later ones have the history. A command
             # job's script does not measure for us.
             probe=spec.ladder.probe and number == 1 and spec.command is None,
@@ -162,6 +161,7 @@ class Attempts:
             env.update(extra_env)
             cwd = spec.command.cwd
             env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
+            env.update(placement.device.environment())
         request = LaunchRequest(
             attempt_dir=attempt_dir, argv=tuple(runner), env=env, owner=owner, workdir=workdir, cwd=cwd,
             stdin=json.dumps(config.to_dict(), indent=2).encode(), gpus=gpus,
@@ -207,8 +207,8 @@ class Attempts:
         """What a command job's Python processes need to load jobs/bootstrap/sitecustomize.py,
         unchanged: a process that dies of an OOM (or a rank that dies) says so for the shim to
         end the attempt's other processes; each optimizer step is reported (oomguard_progress.py,
-        with the first attempt's learning-rate schedules for oomguard_accelerate.py); under
-        emulation the script's tensors count against the emulated capacity."""
+        with the first attempt's learning-rate schedules for oomguard_accelerate.py). The
+        device's variables (an emulated capacity) come from the attempt's Placement."""
         schedules = None
         for earlier in self.store.attempts(job.id):  # opened one at a time: usually the first has them
             with self.files_of(earlier) as files:
@@ -222,7 +222,6 @@ class Attempts:
             }),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(BOOTSTRAP_DIR), python_path])),
         }
-        env.update(self.device.environment())
         return env
 
     def adopt(self) -> None:

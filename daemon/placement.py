@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from oomguard.daemon.gpus import GpuState
+from oomguard.jobs.device import DeviceSpec
 from oomguard.strategies.units import format_bytes
 
 # A job with an unknown need starts only on a GPU with at least this share of it free.
@@ -40,6 +41,16 @@ class Holder:
 @dataclass(frozen=True)
 class Placed:
     gpus: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the scheduler starts an attempt: its GPUs (None: a daemon without GPUs to place
+    by) and the device it trains on there (the real card, or an emulated capacity). The job's
+    record knows neither: both are decided when the attempt starts."""
+
+    gpus: tuple[int, ...] | None
+    device: DeviceSpec = DeviceSpec()
 
 
 @dataclass(frozen=True)

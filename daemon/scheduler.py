@@ -1,16 +1,20 @@
 """What starts next: the scheduling pass over the queue (priority, then first come first
 served; --max-parallel slots; placement on GPUs with room), run once per tick by the supervisor.
 
-The decisions are the pure functions at the bottom and daemon/placement.place; the Scheduler
-keeps what a pass over 10,000 queued jobs must not recompute (parsed job files, each job's
-need, the last pass's view) and writes what a queued job waits for through the lifecycle.
+The decisions come from ``schedule``, a pure function from what a pass sees (the queue, the
+running attempts, the GPUs and who holds them) to what to do: start a job on a Placement, let
+it wait for a GPU (and why), or stop at a full set of slots. The Scheduler gathers what it
+sees, keeps what a pass over 10,000 queued jobs must not recompute (parsed job files, each
+job's need, the last pass's view) and applies the decisions: attempts started through
+Attempts, notes written through the lifecycle.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
 
 from oomguard.daemon.attempts import Running, handle_of, owner_uid
 from oomguard.daemon.clock import Clock
@@ -18,9 +22,10 @@ from oomguard.daemon.events import Events
 from oomguard.daemon.launch import Launcher
 from oomguard.daemon.lifecycle import Lifecycle
 from oomguard.daemon.monitor import GpuMonitor
-from oomguard.daemon.placement import Holder, Need, Placed, place
+from oomguard.daemon.placement import Holder, Need, Placed, Placement, Waiting, place
 from oomguard.daemon.store import Store
 from oomguard.daemon.store_rows import AttemptRow, JobRow
+from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies.memory_model import MARGIN_RAN
 from oomguard.strategies.units import format_duration_words
@@ -72,7 +77,7 @@ class Scheduler:
     def __init__(
         self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, jobs: JobCache, *,
         gpus: GpuMonitor | None, max_parallel: int | None, stall_seconds: float, running: Mapping[int, Running],
-        start: Callable[[JobRow, tuple[int, ...] | None], None],
+        start: Callable[[JobRow, Placement], None], device: DeviceSpec = DeviceSpec(),
     ) -> None:
         self.store = store
         self.clock = clock
@@ -86,7 +91,10 @@ class Scheduler:
         self.max_parallel = max_parallel
         self.stall_seconds = stall_seconds
         self.running = running  # the attempts running now (the Attempts' own record)
-        self.start = start  # starts a job's next attempt (on these GPUs)
+        self.start = start  # starts a job's next attempt where it was placed
+        # The device each placed attempt trains on (the daemon's --emulate-device-memory, or
+        # the real card): part of its Placement, never of the job's record.
+        self.device = device
         # Jobs retried after a crash start no earlier than this (clock.monotonic(); forgotten
         # by a restarted daemon, which retries at once).
         self.not_before: dict[int, float] = {}
@@ -95,6 +103,8 @@ class Scheduler:
         self._slots_noted: tuple[str, tuple[int, ...]] | None = None
 
     def run_pass(self) -> None:
+        """One scheduling pass: the decisions of ``schedule`` over what the store and the GPUs
+        hold now, applied in order (an attempt started, a waiting job's note written)."""
         queued = self.store.queued_jobs()
         if not queued:
             return
@@ -102,42 +112,45 @@ class Scheduler:
         if limit is not None and len(self.running) >= limit:
             self._note_slots_taken(limit, queued)
             return
-        # What the GPUs hold is read once per pass, and again only after an attempt started.
+        # What the GPUs hold is read once per pass: the pass itself counts what it starts.
         gpus = self.gpus.read() if self.gpus is not None else None
         # Nothing changed since the last pass (the same queue, the same attempts, the GPUs'
         # free memory within 1/256 of each card): its answers stand. A full pass still runs every
         # FULL_PASS_SECONDS, for what time changes (a job waiting too long).
+        now = self.clock.monotonic()
         seen = pass_signature(queued, self.running, gpus)
-        due = any(when <= self.clock.monotonic() for when in self.not_before.values())
-        if seen == self._last_pass and not due and self.clock.monotonic() - self._last_pass_at < min(FULL_PASS_SECONDS, self.stall_seconds):
+        due = any(when <= now for when in self.not_before.values())
+        if seen == self._last_pass and not due and now - self._last_pass_at < min(FULL_PASS_SECONDS, self.stall_seconds):
             return
-        self._last_pass, self._last_pass_at = seen, self.clock.monotonic()
-        holders = self._holders(gpus) if gpus is not None else {}
-        answers: dict[Need, Placed | Any] = {}  # jobs with the same need get the same answer
-        deadline = self.clock.monotonic() + PASS_SECONDS
-        for job in queued:
-            if limit is not None and len(self.running) >= limit:
-                self._note_slots_taken(limit, queued)
-                return
+        self._last_pass, self._last_pass_at = seen, now
+        # A retry whose pause is over is an ordinary queued job again.
+        self.not_before = {job_id: when for job_id, when in self.not_before.items() if when > now}
+        deadline = now + PASS_SECONDS
+        decisions = schedule(
+            queued, running=len(self.running), limit=limit, gpus=gpus, holders=self._holders(gpus) if gpus is not None else {},
+            need_of=self.jobs.need, paused=frozenset(self.not_before),
+        )
+        for decision in decisions:
             if self.clock.monotonic() > deadline:
                 self._last_pass = None  # the rest of the queue next tick
                 return
-            if job.cancel_requested:
-                continue
-            not_before = self.not_before.get(job.id)
-            if not_before is not None:
-                if self.clock.monotonic() < not_before:
-                    continue
-                del self.not_before[job.id]
+            self._apply(decision, limit, queued)
+
+    def _apply(self, decision: Decision, limit: int | None, queued: list[JobRow]) -> None:
+        if isinstance(decision, SlotsFull):
+            self._note_slots_taken(limit, queued)  # type: ignore[arg-type] - slots are full only under a limit
+        elif isinstance(decision, WaitForGpu):
+            # Lower-priority jobs may still fit elsewhere: the pass looks at them too. The
+            # reason is an event when it changes in words, not with every byte of free memory.
+            job, reason = decision.job, decision.waiting.reason
+            if job.waiting is None or not same_reason(job.waiting, reason):
+                self.lifecycle.note_waiting(job, reason, code=decision.waiting.code)
+            self._check_waiting_too_long(job, reason)
+        else:
             try:
-                started = self._try_to_start(job, gpus, holders, answers)
+                self.start(decision.job, Placement(decision.gpus, self.device))
             except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
-                self.lifecycle.failed_on(job.id, "starting an attempt", error)
-                continue
-            if started and gpus is not None:
-                gpus = self.gpus.read()  # type: ignore[union-attr]
-                holders = self._holders(gpus)
-                answers.clear()
+                self.lifecycle.failed_on(decision.job.id, "starting an attempt", error)
 
     def _note_slots_taken(self, limit: int, queued: list[JobRow]) -> None:
         """Queued jobs that wait only for a slot say so, and for which jobs (status' note);
@@ -149,27 +162,6 @@ class Scheduler:
         if noted != self._slots_noted:
             self.lifecycle.note_slots_taken(note, replaces=SLOTS_TAKEN)
             self._slots_noted = noted
-
-    def _try_to_start(self, job: JobRow, gpus: list[Any] | None, holders: dict[int, list[Holder]], answers: dict[Need, Any]) -> bool:
-        """Start the job's next attempt where it fits; False (and why, in the job) when it waits.
-        A job that can never fit (more GPUs than the box has) waits like any other, saying so,
-        and is reported stalled after --stall-after: a card may only be lost for a while."""
-        placed: tuple[int, ...] | None = None
-        if gpus is not None:
-            need = self.jobs.need(job)
-            if need not in answers:
-                answers[need] = place(need, gpus, holders)
-            where = answers[need]
-            if not isinstance(where, Placed):
-                # Lower-priority jobs may still fit elsewhere: the caller looks at them too. The
-                # reason is an event when it changes in words, not with every byte of free memory.
-                if job.waiting is None or not same_reason(job.waiting, where.reason):
-                    self.lifecycle.note_waiting(job, where.reason, code=where.code)
-                self._check_waiting_too_long(job, where.reason)
-                return False
-            placed = where.gpus
-        self.start(job, placed)
-        return True
 
     def _check_waiting_too_long(self, job: JobRow, reason: str) -> None:
         """A job that has waited for a GPU as long as a silent attempt would be stalled is
@@ -200,6 +192,67 @@ class Scheduler:
 
 
 # The decisions, as pure functions --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start the job's next attempt on these GPUs (None: the daemon places none)."""
+
+    job: JobRow
+    gpus: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class WaitForGpu:
+    """The job stays queued: no GPU has room for it now (placement says why)."""
+
+    job: JobRow
+    waiting: Waiting
+
+
+@dataclass(frozen=True)
+class SlotsFull:
+    """Every slot is taken: the rest of the queue waits for one (the pass ends here)."""
+
+
+Decision = Union[Start, WaitForGpu, SlotsFull]
+
+
+def schedule(
+    queued: Sequence[JobRow], *, running: int, limit: int | None, gpus: list[Any] | None, holders: Mapping[int, list[Holder]],
+    need_of: Callable[[JobRow], Need], paused: frozenset[int] = frozenset(),
+) -> Iterator[Decision]:
+    """What to do with each queued job, in queue order: the jobs that fit start, the others
+    wait (a lower-priority job may still fit where a higher one does not), until the slots are
+    full. ``running`` attempts run already; ``holders`` are the attempts on each GPU; ``paused``
+    jobs wait out a retry's pause and are passed over; jobs being cancelled too. Each job
+    started here counts at once: it takes a slot, and holds its need on its GPUs for the jobs
+    after it (as the running attempts do). Lazy, so that a caller can stop part-way (a pass
+    is bounded in time); jobs with the same need get the same answer until one starts."""
+    holding = {index: list(on_gpu) for index, on_gpu in holders.items()}
+    answers: dict[Need, Placed | Waiting] = {}
+    for job in queued:
+        if limit is not None and running >= limit:
+            yield SlotsFull()
+            return
+        if job.cancel_requested or job.id in paused:
+            continue
+        if gpus is None:
+            yield Start(job, None)
+            running += 1
+            continue
+        need = need_of(job)
+        if need not in answers:
+            answers[need] = place(need, gpus, holding)
+        where = answers[need]
+        if isinstance(where, Waiting):
+            yield WaitForGpu(job, where)
+            continue
+        yield Start(job, where.gpus)
+        running += 1
+        for index in where.gpus:
+            holding.setdefault(index, []).append(Holder(job.id, need.share, need.free_bytes, used_bytes=0))
+        answers.clear()
 
 
 def slot_limit(max_parallel: int | None, has_gpus: bool) -> int | None:

@@ -81,11 +81,11 @@ class Supervisor:
         )
         self.attempts = Attempts(
             store, self.clock, self.launcher, self.lifecycle, self.events, self.secrets, self.jobs,
-            gpus=gpus, stall_seconds=stall_seconds, after=self._after, device=device,
+            gpus=gpus, stall_seconds=stall_seconds, after=self._after,
         )
         self.scheduler = Scheduler(
             store, self.clock, self.launcher, self.lifecycle, self.events, self.jobs, gpus=gpus, max_parallel=max_parallel,
-            stall_seconds=stall_seconds, running=self.attempts.running, start=self.attempts.start,
+            stall_seconds=stall_seconds, running=self.attempts.running, start=self.attempts.start, device=device,
         )
         hide_stored_secrets(store, self.secrets)
         self.attempts.adopt()

@@ -12,11 +12,15 @@ from tests.e2e.conftest import oomguard, tiny_job, wait_for
 
 pytestmark = pytest.mark.slow
 
+STEPS = 150
+
 
 def test_stopping_and_restarting_the_daemon_loses_nothing(tmp_path: Path, daemon_factory) -> None:
     state_dir = tmp_path / "state"
     daemon = daemon_factory("--stop-jobs", state_dir=state_dir)
-    oomguard("submit", str(tiny_job(tmp_path, max_steps=40)), state_dir=state_dir, check=True)
+    # Enough steps that the stop comes before the end on a fast, quiet machine too (a tiny
+    # step takes a few milliseconds there: 40 steps were done before the stop reached them).
+    oomguard("submit", str(tiny_job(tmp_path, max_steps=STEPS)), state_dir=state_dir, check=True)
     wait_for(lambda: (daemon.show("1").get("heartbeat") or {}).get("step", 0) >= 2, 90, "training to start")
 
     assert daemon.stop() == 0
@@ -32,7 +36,7 @@ def test_stopping_and_restarting_the_daemon_loses_nothing(tmp_path: Path, daemon
     assert record["state"] == "finished"
     assert [a["number"] for a in record["attempts"]] == [1, 2]
     assert record["attempts"][1]["outcome"]["resumed_from"] == stopped_at
-    assert record["attempts"][1]["outcome"]["step"] == 40
+    assert record["attempts"][1]["outcome"]["step"] == STEPS
     kinds = [e["kind"] for e in record["events"]]
     assert kinds.count("queued") == 1 and "requeued" in kinds and kinds[-1] == "finished"
 

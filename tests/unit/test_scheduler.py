@@ -1,12 +1,14 @@
-"""The scheduler's decisions as pure functions (daemon/scheduler.py)."""
+"""The scheduler's decisions as pure functions (daemon/scheduler.py): schedule() from what a
+pass sees to what it does, and the helpers it is made of."""
 
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
-from oomguard.daemon.placement import Need
-from oomguard.daemon.scheduler import measure_need, pass_signature, same_reason, slot_limit
+from oomguard.daemon.gpus import GpuState
+from oomguard.daemon.placement import Holder, Need
+from oomguard.daemon.scheduler import SlotsFull, Start, WaitForGpu, measure_need, pass_signature, same_reason, schedule, slot_limit
 from oomguard.strategies.memory_model import MARGIN_RAN, Measurement
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
@@ -45,3 +47,69 @@ def test_a_job_needs_what_its_plan_measured_with_a_margin_else_what_its_file_say
 def test_a_reason_to_wait_is_the_same_whatever_its_numbers() -> None:
     assert same_reason("GPU 0 has 4.0 MiB free of 64.0 MiB", "GPU 0 has 3.5 MiB free of 64.0 MiB")
     assert not same_reason("GPU 0 has 4.0 MiB free", "needs 2 GPUs")
+
+
+MiB = 2**20
+
+
+def _needs(**by_name: Need):
+    return lambda job: by_name[job.name]
+
+
+def _what(decisions) -> list[tuple]:
+    """Decisions in a form a test can compare: (kind, job id, GPUs or the waiting code)."""
+    shown: list[tuple] = []
+    for decision in decisions:
+        if isinstance(decision, Start):
+            shown.append(("start", decision.job.id, decision.gpus))
+        elif isinstance(decision, WaitForGpu):
+            shown.append(("wait", decision.job.id, decision.waiting.code))
+        else:
+            assert isinstance(decision, SlotsFull)
+            shown.append(("slots full",))
+    return shown
+
+
+def test_a_job_that_does_not_fit_waits_and_a_later_one_that_fits_starts() -> None:
+    queue = [job_row(id=1, name="big"), job_row(id=2, name="small")]
+    gpus = [GpuState(index=0, name="t", total=64 * MiB, used=40 * MiB)]
+    needs = _needs(big=Need(1, True, 50 * MiB), small=Need(1, True, 10 * MiB))
+    decisions = list(schedule(queue, running=0, limit=None, gpus=gpus, holders={}, need_of=needs))
+    assert _what(decisions) == [("wait", 1, "no_room"), ("start", 2, (0,))]
+    assert "50.0 MiB" in decisions[0].waiting.reason  # placement's own words: what the job needs
+
+
+def test_a_job_started_in_a_pass_holds_its_need_for_the_jobs_after_it() -> None:
+    # Room for one of the two: the second must not be placed on memory the first is about to take.
+    queue = [job_row(id=1, name="a"), job_row(id=2, name="b"), job_row(id=3, name="c")]
+    gpus = [GpuState(index=0, name="t", total=64 * MiB, used=0), GpuState(index=1, name="t", total=64 * MiB, used=20 * MiB)]
+    needs = _needs(a=Need(1, True, 40 * MiB), b=Need(1, True, 40 * MiB), c=Need(1, True, 20 * MiB))
+    assert _what(schedule(queue, running=0, limit=None, gpus=gpus, holders={}, need_of=needs)) == [
+        ("start", 1, (1,)),  # sharing jobs fill the fullest GPU that fits
+        ("start", 2, (0,)),
+        ("start", 3, (0,)),  # 64 - 40 promised to job 2 leaves 24
+    ]
+    held = {0: [Holder(9, share=True, need_bytes=50 * MiB, used_bytes=0)]}
+    assert _what(schedule(queue[:1], running=1, limit=None, gpus=gpus[:1], holders=held, need_of=needs)) == [("wait", 1, "no_room")]
+
+
+def test_an_exclusive_job_started_in_a_pass_keeps_the_gpu_to_itself() -> None:
+    queue = [job_row(id=1, name="x"), job_row(id=2, name="y")]
+    gpus = [GpuState(index=0, name="t", total=64 * MiB, used=0)]
+    needs = _needs(x=Need(1, False, None), y=Need(1, False, None))
+    assert _what(schedule(queue, running=0, limit=None, gpus=gpus, holders={}, need_of=needs)) == [("start", 1, (0,)), ("wait", 2, "no_room")]
+
+
+def test_the_pass_ends_when_the_slots_are_full_and_passes_over_paused_and_cancelled_jobs() -> None:
+    queue = [job_row(id=1, name="a", cancel_requested=1), job_row(id=2, name="b"), job_row(id=3, name="c"), job_row(id=4, name="d")]
+    decisions = schedule(queue, running=1, limit=3, gpus=None, holders={}, need_of=_needs(), paused=frozenset({2}))
+    assert _what(decisions) == [("start", 3, None), ("start", 4, None)]
+    decisions = schedule(queue, running=1, limit=2, gpus=None, holders={}, need_of=_needs(), paused=frozenset({2}))
+    assert _what(decisions) == [("start", 3, None), ("slots full",)]
+
+
+def test_a_job_asking_for_more_gpus_than_the_box_has_waits_saying_so() -> None:
+    queue = [job_row(id=1, name="wide")]
+    gpus = [GpuState(index=0, name="t", total=64 * MiB, used=0)]
+    decisions = schedule(queue, running=0, limit=None, gpus=gpus, holders={}, need_of=_needs(wide=Need(2, False, None)))
+    assert _what(decisions) == [("wait", 1, "too_few_gpus")]
