@@ -110,8 +110,9 @@ class Attempts:
     def files_of(self, attempt: AttemptRow) -> AttemptFiles:
         return files_of(self.store, attempt)
 
-    def start(self, job: JobRow, placement: Placement) -> None:
-        """Start the job's next attempt where the scheduler placed it (its GPUs and device)."""
+    def start(self, job: JobRow, placement: Placement) -> bool:
+        """Start the job's next attempt where the scheduler placed it (its GPUs and device).
+        False when it could not start (the job has ended, saying why)."""
         gpus = placement.gpus
         spec = self.jobs.spec(job)
         plan = job.plan
@@ -137,7 +138,7 @@ class Attempts:
                 job, State.FAILED, f"cannot run it as its owner {job.owner}: {error}", next_step="nothing: the job has ended; submit it again as a user that exists",
                 code="unknown_owner", data={"owner": job.owner},
             )
-            return
+            return False
         env = self._environment(plan, owner, gpus)
         # The attempt is in the store before its process exists: a daemon that dies in between
         # finds the row and looks for it (adopt), so no attempt is started twice.
@@ -166,10 +167,11 @@ class Attempts:
             attempt_dir=attempt_dir, argv=tuple(runner), env=env, owner=owner, workdir=workdir, cwd=cwd,
             stdin=json.dumps(config.to_dict(), indent=2).encode(), gpus=gpus,
         )
-        self._launch(job, attempt_id, number, request, plan)
+        return self._launch(job, attempt_id, number, request, plan)
 
-    def _launch(self, job: JobRow, attempt_id: int, number: int, request: LaunchRequest, plan: Plan) -> None:
-        """Start the recorded attempt; a launcher that cannot start it at all fails the job."""
+    def _launch(self, job: JobRow, attempt_id: int, number: int, request: LaunchRequest, plan: Plan) -> bool:
+        """Start the recorded attempt; a launcher that cannot start it at all fails the job
+        (False)."""
         gpus, owner = request.gpus, request.owner
         try:
             handle = self.launcher.start(request)
@@ -181,7 +183,7 @@ class Attempts:
                     job, State.FAILED, outcome.message, next_step=f"nothing: the job has ended; {error.fix}, and submit it again",
                     code="spawn_failed", data={"attempt": number},
                 )
-            return
+            return False
         self.store.update_attempt(attempt_id, pid=handle.pid, pid_started=handle.started)
         self.running[attempt_id] = Running(attempt_id, job.id, handle)
         # Which checkpoint it resumes from is the runner's to find (it verifies the files; the
@@ -191,6 +193,7 @@ class Attempts:
             job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}]", code="started",
             data={"attempt": number, "gpus": list(gpus) if gpus is not None else None, "plan": plan.short()},
         )
+        return True
 
     def _environment(self, plan: Plan, owner: Account, gpus: tuple[int, ...] | None) -> dict[str, str]:
         """The attempt's environment: the owner's, the plan's (the allocator rung), its GPUs."""

@@ -50,7 +50,7 @@ class Placement:
     record knows neither: both are decided when the attempt starts."""
 
     gpus: tuple[int, ...] | None
-    device: DeviceSpec = DeviceSpec()
+    device: DeviceSpec
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ class Scheduler:
     def __init__(
         self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, jobs: JobCache, *,
         gpus: GpuMonitor | None, max_parallel: int | None, stall_seconds: float, running: Mapping[int, Running],
-        start: Callable[[JobRow, Placement], None], device: DeviceSpec = DeviceSpec(),
+        start: Callable[[JobRow, Placement], bool], device: DeviceSpec,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -91,7 +91,7 @@ class Scheduler:
         self.max_parallel = max_parallel
         self.stall_seconds = stall_seconds
         self.running = running  # the attempts running now (the Attempts' own record)
-        self.start = start  # starts a job's next attempt where it was placed
+        self.start = start  # starts a job's next attempt where it was placed; False if it could not
         # The device each placed attempt trains on (the daemon's --emulate-device-memory, or
         # the real card): part of its Placement, never of the job's record.
         self.device = device
@@ -125,32 +125,46 @@ class Scheduler:
         self._last_pass, self._last_pass_at = seen, now
         # A retry whose pause is over is an ordinary queued job again.
         self.not_before = {job_id: when for job_id, when in self.not_before.items() if when > now}
-        deadline = now + PASS_SECONDS
         decisions = schedule(
             queued, running=len(self.running), limit=limit, gpus=gpus, holders=self._holders(gpus) if gpus is not None else {},
             need_of=self.jobs.need, paused=frozenset(self.not_before),
         )
-        for decision in decisions:
+        # The pass is bounded from here (reading the GPUs' holders is not part of it), and it
+        # always applies its first decision.
+        deadline = self.clock.monotonic() + PASS_SECONDS
+        took: bool | None = None  # whether the last Start took: schedule() counts only those
+        while True:
+            try:
+                decision = decisions.send(took)
+            except StopIteration:
+                return
+            took = self._apply(decision, limit, queued)
             if self.clock.monotonic() > deadline:
                 self._last_pass = None  # the rest of the queue next tick
                 return
-            self._apply(decision, limit, queued)
 
-    def _apply(self, decision: Decision, limit: int | None, queued: list[JobRow]) -> None:
+    def _apply(self, decision: Decision, limit: int | None, queued: list[JobRow]) -> bool | None:
+        """Carry out one decision; for a Start, whether the attempt started. One job's problem
+        must not stop the queue: an error is recorded against that job (Lifecycle.failed_on)."""
         if isinstance(decision, SlotsFull):
             self._note_slots_taken(limit, queued)  # type: ignore[arg-type] - slots are full only under a limit
-        elif isinstance(decision, WaitForGpu):
-            # Lower-priority jobs may still fit elsewhere: the pass looks at them too. The
-            # reason is an event when it changes in words, not with every byte of free memory.
-            job, reason = decision.job, decision.waiting.reason
-            if job.waiting is None or not same_reason(job.waiting, reason):
-                self.lifecycle.note_waiting(job, reason, code=decision.waiting.code)
-            self._check_waiting_too_long(job, reason)
-        else:
-            try:
-                self.start(decision.job, Placement(decision.gpus, self.device))
-            except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
-                self.lifecycle.failed_on(decision.job.id, "starting an attempt", error)
+            return None
+        job = decision.job
+        try:
+            if isinstance(decision, Unschedulable):
+                raise decision.error
+            if isinstance(decision, WaitForGpu):
+                # Lower-priority jobs may still fit elsewhere: the pass looks at them too. The
+                # reason is an event when it changes in words, not with every byte of free memory.
+                reason = decision.waiting.reason
+                if job.waiting is None or not same_reason(job.waiting, reason):
+                    self.lifecycle.note_waiting(job, reason, code=decision.waiting.code)
+                self._check_waiting_too_long(job, reason)
+                return None
+            return self.start(job, Placement(decision.gpus, self.device))
+        except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
+            self.lifecycle.failed_on(job.id, "starting an attempt", error)
+            return False
 
     def _note_slots_taken(self, limit: int, queued: list[JobRow]) -> None:
         """Queued jobs that wait only for a slot say so, and for which jobs (status' note);
@@ -215,7 +229,16 @@ class SlotsFull:
     """Every slot is taken: the rest of the queue waits for one (the pass ends here)."""
 
 
-Decision = Union[Start, WaitForGpu, SlotsFull]
+@dataclass(frozen=True)
+class Unschedulable:
+    """What the job needs could not be worked out (its stored record does not read): the
+    error, for the caller to record against the job, while the pass goes on."""
+
+    job: JobRow
+    error: Exception
+
+
+Decision = Union[Start, WaitForGpu, SlotsFull, Unschedulable]
 
 
 def schedule(
@@ -226,9 +249,11 @@ def schedule(
     wait (a lower-priority job may still fit where a higher one does not), until the slots are
     full. ``running`` attempts run already; ``holders`` are the attempts on each GPU; ``paused``
     jobs wait out a retry's pause and are passed over; jobs being cancelled too. Each job
-    started here counts at once: it takes a slot, and holds its need on its GPUs for the jobs
-    after it (as the running attempts do). Lazy, so that a caller can stop part-way (a pass
-    is bounded in time); jobs with the same need get the same answer until one starts."""
+    started here counts at once: it takes a slot, and holds its need (what it waits for free,
+    after contention) on its GPUs for the jobs after it, as the running attempts do. The
+    caller sends back whether each Start took (``send(False)``: it failed, and took nothing);
+    iterated plainly, every Start counts. Lazy, so that a caller can stop part-way (a pass is
+    bounded in time); jobs with the same need get the same answer until one starts."""
     holding = {index: list(on_gpu) for index, on_gpu in holders.items()}
     answers: dict[Need, Placed | Waiting] = {}
     for job in queued:
@@ -238,17 +263,23 @@ def schedule(
         if job.cancel_requested or job.id in paused:
             continue
         if gpus is None:
-            yield Start(job, None)
-            running += 1
+            took = yield Start(job, None)
+            running += took is not False
             continue
-        need = need_of(job)
-        if need not in answers:
-            answers[need] = place(need, gpus, holding)
+        try:
+            need = need_of(job)
+            if need not in answers:
+                answers[need] = place(need, gpus, holding)
+        except Exception as error:  # noqa: BLE001 - a job whose record does not read must not stop the queue
+            yield Unschedulable(job, error)
+            continue
         where = answers[need]
         if isinstance(where, Waiting):
             yield WaitForGpu(job, where)
             continue
-        yield Start(job, where.gpus)
+        took = yield Start(job, where.gpus)
+        if took is False:
+            continue
         running += 1
         for index in where.gpus:
             holding.setdefault(index, []).append(Holder(job.id, need.share, need.free_bytes, used_bytes=0))

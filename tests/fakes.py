@@ -60,12 +60,15 @@ class FakeLauncher:
         self.stops: list[tuple[str, bool]] = []  # (attempt folder, kill)
         self.adopted: list[Handle] = []
         self.fail_with: LaunchFailed | None = None  # start() raises it
+        self.failures_left: int | None = None  # with fail_with: how many starts fail (None: every one)
         self._alive: set[str] = set()
         self._exits: dict[str, Exit] = {}
         self._pids = itertools.count(10_000)
 
     def start(self, request: LaunchRequest) -> Handle:
-        if self.fail_with is not None:
+        if self.fail_with is not None and self.failures_left != 0:
+            if self.failures_left is not None:
+                self.failures_left -= 1
             raise self.fail_with
         self.started.append(request)
         Path(request.attempt_dir).mkdir(parents=True, exist_ok=True)  # the shim makes it, as the owner

@@ -8,7 +8,9 @@ from types import SimpleNamespace
 
 from oomguard.daemon.gpus import GpuState
 from oomguard.daemon.placement import Holder, Need
-from oomguard.daemon.scheduler import SlotsFull, Start, WaitForGpu, measure_need, pass_signature, same_reason, schedule, slot_limit
+from oomguard.daemon.scheduler import (
+    SlotsFull, Start, Unschedulable, WaitForGpu, measure_need, pass_signature, same_reason, schedule, slot_limit,
+)
 from oomguard.strategies.memory_model import MARGIN_RAN, Measurement
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
@@ -64,10 +66,24 @@ def _what(decisions) -> list[tuple]:
             shown.append(("start", decision.job.id, decision.gpus))
         elif isinstance(decision, WaitForGpu):
             shown.append(("wait", decision.job.id, decision.waiting.code))
+        elif isinstance(decision, Unschedulable):
+            shown.append(("unschedulable", decision.job.id, type(decision.error).__name__))
         else:
             assert isinstance(decision, SlotsFull)
             shown.append(("slots full",))
     return shown
+
+
+def _answering(decisions, took: dict[int, bool]) -> list[tuple]:
+    """Drive schedule() as the Scheduler does: send back whether each Start took."""
+    shown, answer = [], None
+    while True:
+        try:
+            decision = decisions.send(answer)
+        except StopIteration:
+            return shown
+        shown += _what([decision])
+        answer = took.get(decision.job.id, True) if isinstance(decision, Start) else None
 
 
 def test_a_job_that_does_not_fit_waits_and_a_later_one_that_fits_starts() -> None:
@@ -113,3 +129,30 @@ def test_a_job_asking_for_more_gpus_than_the_box_has_waits_saying_so() -> None:
     gpus = [GpuState(index=0, name="t", total=64 * MiB, used=0)]
     decisions = schedule(queue, running=0, limit=None, gpus=gpus, holders={}, need_of=_needs(wide=Need(2, False, None)))
     assert _what(decisions) == [("wait", 1, "too_few_gpus")]
+
+
+def test_a_start_that_failed_takes_neither_a_slot_nor_memory() -> None:
+    queue = [job_row(id=1, name="a"), job_row(id=2, name="b")]
+    assert _answering(schedule(queue, running=0, limit=1, gpus=None, holders={}, need_of=_needs()), {1: False}) == [
+        ("start", 1, None), ("start", 2, None),
+    ]
+    assert _answering(schedule(queue, running=0, limit=1, gpus=None, holders={}, need_of=_needs()), {}) == [("start", 1, None), ("slots full",)]
+    gpus = [GpuState(index=0, name="t", total=64 * MiB, used=0)]
+    needs = _needs(a=Need(1, False, None), b=Need(1, False, None))
+    assert _answering(schedule(queue, running=0, limit=None, gpus=gpus, holders={}, need_of=needs), {1: False}) == [
+        ("start", 1, (0,)), ("start", 2, (0,)),
+    ]
+
+
+def test_a_job_whose_need_cannot_be_read_is_named_and_the_pass_goes_on() -> None:
+    queue = [job_row(id=1, name="broken"), job_row(id=2, name="fine")]
+    gpus = [GpuState(index=0, name="t", total=64 * MiB, used=0)]
+
+    def need_of(job):
+        if job.name == "broken":
+            raise KeyError("train")  # a stored spec that no longer loads
+        return Need(1, False, None)
+
+    assert _what(schedule(queue, running=0, limit=None, gpus=gpus, holders={}, need_of=need_of)) == [
+        ("unschedulable", 1, "KeyError"), ("start", 2, (0,)),
+    ]

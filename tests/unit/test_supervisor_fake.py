@@ -201,6 +201,24 @@ def test_an_attempt_that_cannot_be_launched_fails_its_job_saying_how_to_fix_it(b
     assert box.store.attempts(job_id)[0].outcome_kind == "crashed"
 
 
+def test_a_job_that_cannot_start_leaves_its_slot_to_the_next_in_the_same_pass(box: Box) -> None:
+    box.launcher.fail_with = LaunchFailed("cannot start the attempt's shim (python) as me: Permission denied", "let me run python")
+    box.launcher.failures_left = 1
+    supervisor = box.supervisor()
+    unlucky, next_one = add(supervisor, "unlucky"), add(supervisor, "next")
+    supervisor.tick()  # one pass: one slot (no GPUs), and the failed start did not take it
+    assert box.store.job(unlucky).state == "failed" and box.store.job(next_one).state == "running"
+    assert box.store.job(next_one).waiting is None  # never told it waits behind a job that is not running
+
+
+def test_a_job_whose_stored_record_does_not_read_fails_alone(box: Box) -> None:
+    supervisor = box.supervisor()
+    broken, fine = add(supervisor, "broken"), add(supervisor, "fine")
+    box.store.update_job(broken, spec="{}")  # written by another oomguard, say: no table the job needs
+    supervisor.tick()  # does not raise: the daemon goes on
+    assert box.store.job(broken).state == "failed" and box.store.job(fine).state == "running"
+
+
 def test_a_silent_attempt_is_reported_stalled_once(box: Box) -> None:
     supervisor = box.supervisor()
     job_id = add(supervisor, "quiet")
