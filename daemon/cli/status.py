@@ -10,8 +10,11 @@ from oomguard.daemon.cli.output import EXIT_OK, print_table, short_plan
 from oomguard.daemon.cli.state import heartbeat_of, open_store
 from oomguard.daemon.store import TERMINAL_STATES
 from oomguard.daemon.store_rows import JobRow
-from oomguard.daemon.text import escape
+from oomguard.daemon.text import escape, shorten
 from oomguard.strategies.units import format_duration_short
+
+# The longest plan text the table shows (a plan with every knob turned is about 60).
+PLAN_WIDTH = 80
 
 # What `status` lists without --all: every job that runs (or is about to), the head of the
 # queue, and the jobs that ended last. A queue of 10,000 jobs is then one screen (under a
@@ -72,7 +75,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         else:
             note = (job.result or "").splitlines()[0] if job.result else ""
         cells = (
-            str(job.id), job.name, job.owner, job.state, gpus, short_plan(job.plan_dict()), f"{step}/{max_steps}",
+            str(job.id), job.name, job.owner, job.state, gpus, plan_shown(job, heartbeat), f"{step}/{max_steps}",
             f"{speed:.1f}" if speed else "", eta, memory, str(newest_attempt.count if newest_attempt else 0), note,
         )
         table.add_row(*(escape(cell) for cell in cells))
@@ -83,6 +86,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     print_table(table)
     return EXIT_OK
+
+
+def plan_shown(job: JobRow, heartbeat: dict[str, Any]) -> str:
+    """The plan a job trains under: a queued job's next attempt's; else what its newest
+    attempt last reported (a runner that took a rung in the process reports the plan it moved
+    to, which the job's stored plan, the next attempt's, does not know)."""
+    reported = heartbeat.get("plan")
+    if job.state != "queued" and isinstance(reported, str) and reported:
+        return shorten(reported, PLAN_WIDTH)  # the owner's file: any text, kept short (escaped as every cell)
+    return short_plan(job.plan_dict())
 
 
 def _number(value: Any) -> int | float | None:

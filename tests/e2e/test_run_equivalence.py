@@ -5,6 +5,7 @@ with the same weights, after the same optimizer steps, none of them run twice.""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -130,3 +131,12 @@ def test_the_readmes_demo_follow_up_commands_work_as_written(recovered: dict[str
         shown[argv[-2]] = done.stdout
     assert "out of memory in forward at step 15; in-process -> [mb=8x2]" in shown["logs"]
     assert "step 15, in the runner: [mb=16x1] -> [mb=8x2]: out of memory in forward at step 15" in shown["show"]
+    # `status` on the same state shows the plan the job ended on, not the one it started with.
+    state_dir = shlex.split(commands[0].replace("demo-workdir", recovered["workdir"]))[2]
+    status = subprocess.run(
+        [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", state_dir, "status"], capture_output=True, text=True, timeout=60, cwd=root,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+    assert status.returncode == 0, status.stderr
+    (row,) = [line for line in status.stdout.splitlines() if "quickstart" in line and "finished" in line]
+    assert "mb=8x2" in row and "mb=16x1" not in row, row

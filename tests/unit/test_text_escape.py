@@ -278,7 +278,7 @@ def _stored_job(tmp_path: Path, **fields: Any) -> tuple[Path, int]:
         outcome_kind="diverged", outcome=json.dumps(outcome.to_dict()), reason=FAKE_LINE,
     )
     (directory / "output.log").write_text("epoch 1\r50%\x1b[31m red\x1b]0;title\x07\n")
-    (directory / "heartbeat.json").write_text(json.dumps({"step": "x\x1b[2J", "samples_per_s": "fast", "peak_bytes": "big"}))
+    (directory / "heartbeat.json").write_text(json.dumps({"step": "x\x1b[2J", "samples_per_s": "fast", "peak_bytes": "big", "plan": "mb=8x1\x1b[2J\n[12:00:00] x"}))
     store.close()
     return state.root, job_id
 
