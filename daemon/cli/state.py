@@ -135,6 +135,6 @@ def job_record(store: Store, job: JobRow) -> dict[str, Any]:
         {**attempt.as_stored(), "plan": attempt.plan_dict(), "outcome": attempt.outcome_dict()}
         for attempt in store.attempts(job.id)
     ]
-    record["events"] = [event.as_stored() for event in store.events(job.id)]
+    record["events"] = [event.as_json() for event in store.events(job.id)]
     record["heartbeat"] = latest_heartbeat(store, job.id)
     return record

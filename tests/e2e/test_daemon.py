@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from oomguard.daemon.cli.output import short_plan
 from tests.e2e.conftest import TINY_CAP, oomguard, tiny_job, wait_for
 from tests.jobs_helpers import TINY_JOB
 
@@ -38,8 +39,9 @@ def test_submitted_job_recovers_from_oom_in_process_and_finishes(tmp_path: Path,
     assert recovery["to"]["micro_batch"] < 8 or recovery["to"]["gradient_checkpointing"]
     assert outcome["plan"]["micro_batch"] == recovery["to"]["micro_batch"]
     assert [m["fits"] for m in outcome["measurements"]].count(False) == 1
-    escalations = [e["message"] for e in record["events"] if e["kind"] == "escalated"]
-    assert any("at step 5, in the runner: [mb=8x1] -> [mb=" in text for text in escalations), escalations
+    escalations = [e["data"] for e in record["events"] if e["kind"] == "escalated" and e["code"] == "in_runner"]
+    assert [(d["step"], d["from"]) for d in escalations] == [(5, "mb=8x1")], escalations
+    assert escalations[0]["to"] == short_plan(outcome["plan"])
     assert (Path(record["workdir"]) / "final" / "config.json").exists()
     status = oomguard("status", state_dir=daemon.state_dir, check=True).stdout
     assert "tiny" in status and "finished" in status
@@ -86,7 +88,7 @@ def test_a_rung_the_runner_takes_is_an_event_while_it_runs_and_cancel_stops_the_
         return running and [e for e in record["events"] if e["kind"] == "escalated"]
 
     (event,) = wait_for(escalated_while_running, 90, "an escalation event while the attempt runs")
-    assert event["message"].startswith("at step 3, in the runner: [mb=8x1] -> [")
+    assert event["code"] == "in_runner" and event["data"]["step"] == 3 and event["data"]["from"] == "mb=8x1", event
 
     cancelled = oomguard("cancel", "tiny", state_dir=daemon.state_dir, check=True)
     assert "cancel requested for job 1" in cancelled.stdout

@@ -97,7 +97,8 @@ def test_three_jobs_two_users_two_gpus_oom_neighbour_and_a_killed_daemon(lab: Pa
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
         )
         contention = wait_for(lambda: [e for e in daemon.show("1")["events"] if e["kind"] == "contention"], 60, "job 1 to see contention")
-        assert "contention" in contention[0]["message"] and "no rung" in contention[0]["message"]
+        assert contention[0]["code"] == "contention" and contention[0]["data"]["free_bytes"] > 0
+        assert not [e for e in daemon.show("1")["events"] if e["kind"] == "escalated" and e["code"] == "ladder"]  # no rung for a neighbour
         a = wait_for(lambda: len(attempts_of(r := daemon.show("1"))) == 2 and r["state"] == "running" and r, 60, "job 1's second attempt")
         assert neighbour.wait(timeout=30) == 0
         first, second = attempts_of(a)

@@ -113,5 +113,5 @@ def test_a_relaunched_script_ends_with_the_uninterrupted_runs_steps_samples_and_
     assert DONE.findall(log)[-1] == uninterrupted(tmp_path, case, unet) == f"done: steps={case.steps} samples={samples} final_lr=0.000000000e+00"
     assert f"end state as planned: {case.steps}/{case.steps} optimizer steps, {samples} samples, final learning rate 0 as scheduled" in record["result"]
     assert COMMAND_SPLIT_KEEPS in record["result"]
-    started = f"resumed from step {case.resumed_from}" if case.resumed_from is not None else "started at step 0"
-    assert any(f"attempt 2 ({started}) ended: finished at step {case.steps}" in event["message"] for event in record["events"])
+    ended = [e["data"] for e in record["events"] if e["kind"] == "attempt-ended" and e["code"] == "finished"]
+    assert [(d["attempt"], d["step"], d["resumed_from"]) for d in ended] == [(2, case.steps, case.resumed_from)], ended
