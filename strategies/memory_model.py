@@ -198,7 +198,7 @@ class MemoryModel:
             full = _full_parameter_bytes(shape_of(m.plan), m.static)
             if full is not None:
                 self._full_parameters = full
-        for shape in {shape_of(m.plan) for m in self.measurements}:
+        for shape in dict.fromkeys(shape_of(m.plan) for m in self.measurements):  # in measured order, not hash order
             line = self._fit(shape)
             if line is not None:
                 self._lines[shape] = line
@@ -334,7 +334,9 @@ class MemoryModel:
         line = self._time_line_of(shape, timed)
         if line is not None:
             return line, 1.0
-        reference = min({shape_of(m.plan) for m in timed}, key=lambda other: _distance(other, shape))
+        # Among shapes as near, the first measured (a set's order follows Plan hashes, which
+        # differ between processes: two daemons would borrow different shapes).
+        reference = min(dict.fromkeys(shape_of(m.plan) for m in timed), key=lambda other: _distance(other, shape))
         line = self._time_line_of(reference, timed)
         assert line is not None
         return line, _time_factor(shape) / _time_factor(reference)
@@ -348,7 +350,7 @@ class MemoryModel:
             return None
         if len({m.plan.micro_batch for m in own}) >= 2:
             return _time_line(own)
-        lined = {shape_of(m.plan) for m in timed if len({n.plan.micro_batch for n in timed if shape_of(n.plan) == shape_of(m.plan)}) >= 2}
+        lined = dict.fromkeys(shape_of(m.plan) for m in timed if len({n.plan.micro_batch for n in timed if shape_of(n.plan) == shape_of(m.plan)}) >= 2)
         if not lined:
             return _time_line(own)
         reference = min(lined, key=lambda other: _distance(other, shape))
