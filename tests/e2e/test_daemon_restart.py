@@ -12,14 +12,14 @@ from tests.e2e.conftest import oomguard, tiny_job, wait_for
 
 pytestmark = pytest.mark.slow
 
+# Enough steps that a stop or a leaving daemon comes before the end: a tiny step takes a few
+# milliseconds on a fast, quiet machine, and 40 or 60 were done before the daemon stopped.
 STEPS = 150
 
 
 def test_stopping_and_restarting_the_daemon_loses_nothing(tmp_path: Path, daemon_factory) -> None:
     state_dir = tmp_path / "state"
     daemon = daemon_factory("--stop-jobs", state_dir=state_dir)
-    # Enough steps that the stop comes before the end on a fast, quiet machine too (a tiny
-    # step takes a few milliseconds there: 40 steps were done before the stop reached them).
     oomguard("submit", str(tiny_job(tmp_path, max_steps=STEPS)), state_dir=state_dir, check=True)
     wait_for(lambda: (daemon.show("1").get("heartbeat") or {}).get("step", 0) >= 2, 90, "training to start")
 
@@ -44,7 +44,7 @@ def test_stopping_and_restarting_the_daemon_loses_nothing(tmp_path: Path, daemon
 def test_sigterm_leaves_the_attempt_running_and_the_next_daemon_adopts_it(tmp_path: Path, daemon_factory) -> None:
     state_dir = tmp_path / "state"
     daemon = daemon_factory(state_dir=state_dir)
-    oomguard("submit", str(tiny_job(tmp_path, max_steps=60)), state_dir=state_dir, check=True)
+    oomguard("submit", str(tiny_job(tmp_path, max_steps=STEPS)), state_dir=state_dir, check=True)
     wait_for(lambda: (daemon.show("1").get("heartbeat") or {}).get("step", 0) >= 2, 90, "training to start")
     runner_pid = daemon.show("1")["attempts"][0]["pid"]
 
