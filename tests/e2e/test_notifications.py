@@ -122,7 +122,8 @@ def test_failed_and_finished_jobs_notify_and_a_dead_endpoint_disturbs_nothing(tm
 def test_a_stalled_attempt_is_reported_once_and_the_job_still_finishes(tmp_path: Path, endpoint: Endpoint, daemon_factory) -> None:
     job = tmp_path / "slow.toml"
     job.write_text(
-        TINY_JOB.format(name="slow", batch_size=8, max_steps=60, checkpoint_every_steps=20, keep_checkpoints=2)
+        # Steps enough to stop it before its end (60 take about 2 s on a quiet machine).
+        TINY_JOB.format(name="slow", batch_size=8, max_steps=200, checkpoint_every_steps=20, keep_checkpoints=2)
         + f'[notify]\nurls = ["json://127.0.0.1:{endpoint.port}/job"]\nevents = ["stalled", "finished"]\n'
     )
     # Long enough for the runner to start (torch loads before the first heartbeat).
