@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import grp
+import json
 import os
 import pwd
 import shutil
@@ -128,24 +129,71 @@ def open_tmp() -> Iterator[Path]:
 
 
 
+# The sessions that need others_can_run_oomguard now (pids), and the modes to give back when
+# the last of them ends: pytest-xdist's workers are sessions of their own, and one that ended
+# first took /root's search permission back from under the others' users (their Python then
+# failed to import its own standard library halfway through a test).
+GRANTS = Path(tempfile.gettempdir()) / "oomguard-tests-grants.json"
+
+
+@contextmanager
+def _grants() -> Iterator[dict]:
+    """The shared record of grants, read and written under an exclusive lock. It lies in /tmp,
+    where anyone may put a file first: one that is not ours, or that others may write, is
+    refused, and it names folders only (giving back removes the bit it granted, nothing else)."""
+    with open(os.open(f"{GRANTS}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)) as lock:
+        _check_ours(os.fstat(lock.fileno()), f"{GRANTS}.lock")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record: dict = {}
+        try:
+            descriptor = os.open(GRANTS, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            pass
+        else:
+            with open(descriptor) as stored:
+                _check_ours(os.fstat(descriptor), str(GRANTS))
+                try:
+                    record = json.loads(stored.read())
+                except ValueError:
+                    record = {}
+        # A session that died without its teardown holds nothing any more.
+        record["holders"] = [pid for pid in record.get("holders", []) if isinstance(pid, int) and Path(f"/proc/{pid}").exists()]
+        record["granted"] = [folder for folder in record.get("granted", []) if isinstance(folder, str)]
+        yield record
+        with open(os.open(GRANTS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600), "w") as stored:
+            stored.write(json.dumps(record))
+
+
+def _check_ours(status: os.stat_result, path: str) -> None:
+    if status.st_uid != os.geteuid() or status.st_mode & 0o022:
+        raise RuntimeError(f"{path} belongs to another user or others may write it: remove it (the tests keep their grants there)")
+
+
 @pytest.fixture(scope="session")
 def others_can_run_oomguard() -> Iterator[None]:
     """Other users must be able to start this Python and read this checkout to run jobs as
     themselves. A test machine's interpreter often sits under a private home (/root is 0700):
-    grant search (x, not read) on the folders in the way for the session, and take it back."""
-    changed: list[tuple[Path, int]] = []
+    grant search (x, not read) on the folders in the way while any test session needs it
+    (xdist workers share the grant), and take it back after the last."""
     targets = [Path(sys.executable).resolve(), Path(sys.prefix).resolve(), Path(__file__).resolve().parent.parent]
-    for target in targets:
-        for folder in [target, *target.parents] if target.is_dir() else list(target.parents):
-            mode = stat.S_IMODE(folder.stat().st_mode)
-            if not mode & stat.S_IXOTH:
-                changed.append((folder, mode))
-                folder.chmod(mode | stat.S_IXOTH)
+    with _grants() as record:
+        for target in targets:
+            for folder in [target, *target.parents] if target.is_dir() else list(target.parents):
+                mode = stat.S_IMODE(folder.stat().st_mode)
+                if not mode & stat.S_IXOTH and str(folder) not in record["granted"]:
+                    record["granted"].append(str(folder))
+                    folder.chmod(mode | stat.S_IXOTH)
+        record["holders"].append(os.getpid())
     try:
         yield
     finally:
-        for folder, mode in reversed(changed):
-            folder.chmod(mode)
+        with _grants() as record:
+            record["holders"] = [pid for pid in record["holders"] if pid != os.getpid()]
+            if not record["holders"]:
+                for folder in map(Path, reversed(record["granted"])):
+                    if folder.is_dir():
+                        folder.chmod(stat.S_IMODE(folder.stat().st_mode) & ~stat.S_IXOTH)
+                record["granted"] = []
 
 
 @contextmanager
