@@ -150,9 +150,10 @@ class Scheduler:
             self._note_slots_taken(limit, queued)  # type: ignore[arg-type] - slots are full only under a limit
             return None
         job = decision.job
+        if isinstance(decision, Unschedulable):
+            self.lifecycle.failed_on(job.id, "working out where it can run", decision.error)
+            return None
         try:
-            if isinstance(decision, Unschedulable):
-                raise decision.error
             if isinstance(decision, WaitForGpu):
                 # Lower-priority jobs may still fit elsewhere: the pass looks at them too. The
                 # reason is an event when it changes in words, not with every byte of free memory.
@@ -218,7 +219,9 @@ class Start:
 
 @dataclass(frozen=True)
 class WaitForGpu:
-    """The job stays queued: no GPU has room for it now (placement says why)."""
+    """The job stays queued: no GPU has room for it now (placement says why). A job that can
+    never fit (more GPUs than the box has) waits like any other, saying so, and is reported
+    stalled after --stall-after: a card may only be lost for a while."""
 
     job: JobRow
     waiting: Waiting
@@ -262,28 +265,28 @@ def schedule(
             return
         if job.cancel_requested or job.id in paused:
             continue
-        if gpus is None:
-            took = yield Start(job, None)
-            running += took is not False
-            continue
-        try:
-            need = need_of(job)
-            if need not in answers:
-                answers[need] = place(need, gpus, holding)
-        except Exception as error:  # noqa: BLE001 - a job whose record does not read must not stop the queue
-            yield Unschedulable(job, error)
-            continue
-        where = answers[need]
-        if isinstance(where, Waiting):
-            yield WaitForGpu(job, where)
-            continue
-        took = yield Start(job, where.gpus)
+        placed: Placed | None = None  # without GPUs to place by, a job starts where it is
+        if gpus is not None:
+            try:
+                need = need_of(job)
+                if need not in answers:
+                    answers[need] = place(need, gpus, holding)
+            except Exception as error:  # noqa: BLE001 - a job whose record does not read must not stop the queue
+                yield Unschedulable(job, error)
+                continue
+            where = answers[need]
+            if isinstance(where, Waiting):
+                yield WaitForGpu(job, where)
+                continue
+            placed = where
+        took = yield Start(job, placed.gpus if placed is not None else None)
         if took is False:
             continue
         running += 1
-        for index in where.gpus:
-            holding.setdefault(index, []).append(Holder(job.id, need.share, need.free_bytes, used_bytes=0))
-        answers.clear()
+        if placed is not None:
+            for index in placed.gpus:
+                holding.setdefault(index, []).append(Holder(job.id, need.share, need.free_bytes, used_bytes=0))
+            answers.clear()
 
 
 def slot_limit(max_parallel: int | None, has_gpus: bool) -> int | None:

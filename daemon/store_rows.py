@@ -186,14 +186,11 @@ class EventRow:
         )
 
     def as_stored(self) -> dict[str, Any]:
-        """The event as the store held it before codes were kept."""
-        return {"id": self.id, "job_id": self.job_id, "at": self.at, "kind": self.kind, "message": self.message}
-
-    def as_json(self) -> dict[str, Any]:
-        """The event as `show --json` and `run --json` print it: the stored fields, then its
-        code and figures (null and {} for an event recorded before codes were kept), which a
-        program can match on where the message is for people."""
-        return {**self.as_stored(), "code": self.code, "data": self.data}
+        """The event's columns, ``data`` as its stored JSON text."""
+        return {
+            "id": self.id, "job_id": self.job_id, "at": self.at, "kind": self.kind, "message": self.message, "code": self.code,
+            "data": json.dumps(self.data),
+        }
 
 
 @dataclass(frozen=True)

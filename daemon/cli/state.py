@@ -135,6 +135,8 @@ def job_record(store: Store, job: JobRow) -> dict[str, Any]:
         {**attempt.as_stored(), "plan": attempt.plan_dict(), "outcome": attempt.outcome_dict()}
         for attempt in store.attempts(job.id)
     ]
-    record["events"] = [event.as_json() for event in store.events(job.id)]
+    # Each event with its code and figures (null and {} for one recorded before they were
+    # kept): what a program matches on, where the message is for people.
+    record["events"] = [{**event.as_stored(), "data": event.data} for event in store.events(job.id)]
     record["heartbeat"] = latest_heartbeat(store, job.id)
     return record

@@ -13,8 +13,9 @@ from oomguard.daemon.store_rows import JobRow
 from oomguard.daemon.text import escape, shorten
 from oomguard.strategies.units import format_duration_short
 
-# The longest plan text the table shows (a plan with every knob turned is about 60).
-PLAN_WIDTH = 80
+# The longest plan text the table shows: a plan with every knob turned and a four-digit batch
+# is 86 characters ("mb=1x1024 expandable ckpt attn=sliced offload=params bf16 adamw8bit ...").
+PLAN_WIDTH = 120
 
 # What `status` lists without --all: every job that runs (or is about to), the head of the
 # queue, and the jobs that ended last. A queue of 10,000 jobs is then one screen (under a

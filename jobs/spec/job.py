@@ -30,7 +30,6 @@ rows, attempt.json) comes back through :meth:`JobSpec.load`, which does not vali
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -170,9 +169,6 @@ class JobSpec:
             workdir=data.get("workdir"),
             source_path=data.get("source_path"),
         )
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), sort_keys=False)
 
 
 def _stored_fields(part: type, stored: Mapping[str, Any]) -> dict[str, Any]:
