@@ -145,6 +145,9 @@ class AttemptRun:
         when the attempt asks for one); the Outcome that ended the attempt already, if any."""
         latest, weights = _newest_usable(self.checkpoints_dir, self.memory, self.say)
         self.memory.begin_step(latest.step if latest is not None else 0)
+        # Before the probe: what it measures, and what it counts as left behind, is on top.
+        self.control.phase = "setup"
+        self.trainer.place_frozen(self.plan, self.device, self.memory)
         if self.config.probe and latest is None:
             failure = self._probe()
             if failure is not None:

@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
 
     quiet_optional_kernel_warnings()
-    _without_unused_diffusers_integrations()
+    if config.job.trainer == "unconditional":
+        # The text-to-image trainer loads CLIP through transformers and its LoRA through peft.
+        _without_unused_diffusers_integrations()
     # Imported after the cheap checks: torch takes seconds to import.
     from oomguard.jobs.faults import injected_fault
     from oomguard.jobs.loop import train

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,8 @@ class Training:
     # The frozen base weights of a LoRA run, on the host (checkpoints write them; the device
     # may hold them quantized).
     base_state: dict[str, torch.Tensor] | None = None
+    # The trainer's frozen parts on the device now (Trainer.frozen_tensors).
+    frozen: Callable[[], list[torch.Tensor]] = list
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -64,11 +67,12 @@ class Training:
             "parameters": list(self.model.parameters()),
             "gradients": [p.grad for p in self.model.parameters() if p.grad is not None],
             "optimizer_state": device_state_tensors(self.optimizer),
+            "frozen": self.frozen(),
         }
 
     def static_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, trainable parameters and optimizer state on the device (the
-        memory model's static consumers)."""
+        """Bytes of parameters, trainable parameters, optimizer state and frozen parts on the
+        device (the memory model's static consumers)."""
 
         def total(tensors: list[torch.Tensor]) -> int:
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -79,12 +83,13 @@ class Training:
             "parameters": total(list(self.model.parameters())),
             "trainable": sum(p.numel() * p.element_size() for p in trainable),
             "optimizer_state": total(device_state_tensors(self.optimizer)),
+            "frozen": total(self.frozen()),
         }
 
     def resident_bytes(self) -> int:
-        """What should stay on the device between steps: parameters, buffers and the
-        optimizer's device state (gradients are dropped after every step)."""
-        tensors = [*self.model.parameters(), *self.model.buffers(), *device_state_tensors(self.optimizer)]
+        """What should stay on the device between steps: parameters, buffers, the optimizer's
+        device state and the frozen parts (gradients are dropped after every step)."""
+        tensors = [*self.model.parameters(), *self.model.buffers(), *device_state_tensors(self.optimizer), *self.frozen()]
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
     def weights(self) -> ModelWeights:
@@ -135,15 +140,18 @@ def build_training(
         if weights is not None and weights.adapters is not None:
             # Adapters of this plan's rank (others were merged into the base above).
             load_adapter_state_dict(model, weights.adapters)
+    trainer.place_frozen(plan, device, memory)
     model = model.to(device)
     memory.move_in(model.parameters())
     rungs.configure_model(plan, model)
     optimizer = build_optimizer(plan, model, job.train.learning_rate, job.train.weight_decay, memory)
-    lr_scheduler = get_scheduler("constant_with_warmup", optimizer=optimizer, num_warmup_steps=job.train.lr_warmup_steps)
+    lr_scheduler = get_scheduler(
+        job.train.lr_scheduler, optimizer=optimizer, num_warmup_steps=job.train.lr_warmup_steps, num_training_steps=job.train.max_steps
+    )
     autocast_dtype = rungs.autocast_dtype(plan, device)
     # fp16 overflows where fp32 and bf16 do not: its gradients need a scaler.
     scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
-    return Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state)
+    return Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state, trainer.frozen_tensors)
 
 
 def _merge_adapters(trainer: Trainer, weights: ModelWeights) -> ModelWeights:

@@ -125,10 +125,12 @@ class StaticBytes:
     optimizer_state: float
     # Extra bytes a half-precision step keeps (autocast's low-precision weight copies).
     casts: float = 0.0
+    # Frozen parts beside the trained model (a text-to-image job's VAE and text encoders).
+    frozen: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state + self.casts
+        return self.parameters + self.gradients + self.optimizer_state + self.casts + self.frozen
 
 
 def _first(values: Iterable[float | None]) -> float | None:
@@ -150,8 +152,9 @@ def _full_parameter_bytes(shape: Plan, static: dict[str, int]) -> float | None:
     return parameters / share
 
 
-def static_bytes(shape: Plan, full_parameters: float) -> StaticBytes:
-    """What parameters, gradients and optimizer state of ``shape`` take on the device."""
+def static_bytes(shape: Plan, full_parameters: float, frozen: float = 0.0) -> StaticBytes:
+    """What parameters, gradients, optimizer state and the frozen parts (``frozen`` bytes as
+    measured) of ``shape`` take on the device."""
     terms = _terms(shape)
     adapter_share = _first(t.adapter_share for t in terms)
     if adapter_share is None:
@@ -165,7 +168,7 @@ def static_bytes(shape: Plan, full_parameters: float) -> StaticBytes:
     on_device = all(t.optimizer_on_device for t in terms)
     optimizer = trainable * (per_byte if per_byte is not None else ADAMW_STATE_PER_PARAMETER_BYTE) if on_device else 0.0
     casts = parameters * sum(t.cast_share for t in terms)
-    return StaticBytes(parameters=parameters, gradients=trainable, optimizer_state=optimizer, casts=casts)
+    return StaticBytes(parameters=parameters, gradients=trainable, optimizer_state=optimizer, casts=casts, frozen=frozen)
 
 
 @dataclass(frozen=True)
@@ -194,10 +197,12 @@ class MemoryModel:
         self._carried: dict[Plan, Line | None] = {}
         self._speed_lines: dict[Plan, tuple[tuple[float, float], float] | None] = {}
         self._full_parameters: float | None = None
+        self._frozen = 0.0
         for m in self.measurements:
             full = _full_parameter_bytes(shape_of(m.plan), m.static)
             if full is not None:
                 self._full_parameters = full
+                self._frozen = float(m.static.get("frozen", 0))
         for shape in dict.fromkeys(shape_of(m.plan) for m in self.measurements):  # in measured order, not hash order
             line = self._fit(shape)
             if line is not None:
@@ -208,7 +213,7 @@ class MemoryModel:
     def _static(self, shape: Plan) -> StaticBytes | None:
         if self._full_parameters is None:
             return None
-        return static_bytes(shape, self._full_parameters)
+        return static_bytes(shape, self._full_parameters, self._frozen)
 
     def _fit(self, shape: Plan) -> Line | None:
         runs = [m for m in self.measurements if m.fits and shape_of(m.plan) == shape]

@@ -118,8 +118,10 @@ def run_runner(attempt_dir: Path, timeout: float = 120) -> RunResult:
 
 def run_runners(attempt_dirs: list[Path], timeout: float = 180) -> list[RunResult]:
     """Run several attempts side by side (each runner uses one thread) and wait for all. Each
-    is forked from a process that has imported torch already (tests/warm_runner.py)."""
-    runners = [warm_runner.start(d, runner_env()) for d in attempt_dirs]
+    is forked from a process that has imported torch already (tests/warm_runner.py); a
+    text-to-image job's runner starts cold: the warm server has switched off the diffusers
+    integrations (transformers, peft) that trainer needs."""
+    runners = [warm_runner.start(d, runner_env()) if _warm_server_can_run(d) else _ColdRunner(d) for d in attempt_dirs]
     results = []
     try:
         for attempt_dir, runner in zip(attempt_dirs, runners):
@@ -129,6 +131,27 @@ def run_runners(attempt_dirs: list[Path], timeout: float = 180) -> list[RunResul
         for runner in runners:
             runner.kill()
     return results
+
+
+def _warm_server_can_run(attempt_dir: Path) -> bool:
+    return AttemptConfig.read(attempt_dir).job.trainer == "unconditional"
+
+
+class _ColdRunner:
+    """A runner started as the daemon starts it (``python -m oomguard.jobs.run``), with the
+    interface of a warm one."""
+
+    def __init__(self, attempt_dir: Path) -> None:
+        self.process = subprocess.Popen(runner_command(attempt_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=runner_env())
+
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        stdout, stderr = self.process.communicate(timeout=timeout)
+        return self.process.returncode, stdout, stderr
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
 
 
 @contextmanager

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from oomguard.jobs.spec.keys import DEFAULT_NOTIFY_EVENTS, NOTIFY_EVENTS
+from oomguard.jobs.spec.keys import DEFAULT_NOTIFY_EVENTS, NOTIFY_EVENTS, TEXT_TO_IMAGE_TRAINER
 from oomguard.jobs.spec.reader import ReadContext, Section, describe_value, is_int, strip_none
 from oomguard.strategies import rungs
 from oomguard.strategies.plan import MixedPrecision
 from oomguard.strategies.units import parse_size
 
 MIXED_PRECISIONS: tuple[str, ...] = ("no", "bf16", "fp16")
+# diffusers' get_scheduler names (diffusers.optimization.SchedulerType) that need nothing but
+# warm-up steps and the run's length. The default keeps the rate constant after warm-up.
+LR_SCHEDULERS: tuple[str, ...] = ("constant_with_warmup", "constant", "linear", "cosine", "cosine_with_restarts", "polynomial")
 # The ladder's planner weighs every micro-batch size worth trying (about 2 * sqrt(batch), Plan.
 # micro_batch_choices) for every shape of plan the allowed rungs reach, in the daemon's loop:
 # with every rung allowed a decision took 0.4 s at a batch of 1024, 1.2 s at 4096 and 3.5 s
@@ -46,6 +49,11 @@ class TrainSpec:
     num_train_timesteps: int = 1000
     weight_decay: float = 0.0
     micro_batch: int | None = None
+    lr_scheduler: str = "constant_with_warmup"
+    # The text-to-image trainer's (keys.TEXT_TO_IMAGE_TRAIN_KEYS): offset noise (a share of
+    # one random value per latent channel added to the noise) and Min-SNR loss weighting.
+    noise_offset: float = 0.0
+    snr_gamma: float | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_every_steps is None:
@@ -53,6 +61,7 @@ class TrainSpec:
         if self.learning_rate is not None:
             object.__setattr__(self, "learning_rate", float(self.learning_rate))
         object.__setattr__(self, "weight_decay", float(self.weight_decay))
+        object.__setattr__(self, "noise_offset", float(self.noise_offset))
         if self.checkpoint_every_seconds is not None:
             object.__setattr__(self, "checkpoint_every_seconds", float(self.checkpoint_every_seconds))
 
@@ -62,6 +71,7 @@ class TrainSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainSpec:
         ctx = ReadContext("<dict>", Path.cwd(), check_files=False)
+        ctx.trainer = TEXT_TO_IMAGE_TRAINER  # the widest [train]: every key TrainSpec has
         return parse_train(Section(ctx, "train", strip_none(data)))
 
 
@@ -150,6 +160,10 @@ def parse_train(s: Section) -> TrainSpec:
     num_train_timesteps = s.int("num_train_timesteps", minimum=1, default=1000)
     weight_decay = s.number("weight_decay", ge=0.0, default=0.0)
     micro_batch = s.int("micro_batch", minimum=1, default=None)
+    lr_scheduler = s.choice("lr_scheduler", LR_SCHEDULERS, default="constant_with_warmup")
+    # Only a text-to-image job's table may hold these (keys.py): elsewhere they are unknown keys.
+    noise_offset = s.number("noise_offset", ge=0.0, lt=1.0, default=0.0)
+    snr_gamma = s.number("snr_gamma", gt=0.0, default=None)
     if micro_batch is not None and micro_batch > batch_size:
         raise s.fail(
             "micro_batch", f"expected an integer in 1..{batch_size} (at most train.batch_size), found {micro_batch}"
@@ -167,6 +181,9 @@ def parse_train(s: Section) -> TrainSpec:
         num_train_timesteps=num_train_timesteps,
         weight_decay=weight_decay,
         micro_batch=micro_batch,
+        lr_scheduler=lr_scheduler,
+        noise_offset=noise_offset,
+        snr_gamma=snr_gamma,
     )
 
 

@@ -48,10 +48,13 @@ from oomguard.jobs.spec.common import (
     parse_resources,
     parse_train,
 )
-from oomguard.jobs.spec.keys import COMMAND_TRAINER, NOT_FOR_COMMAND_JOBS, SCRIPT_OWNED_TRAIN_KEYS
+from oomguard.jobs.spec.keys import COMMAND_TRAINER, NOT_FOR_COMMAND_JOBS, SCRIPT_OWNED_TRAIN_KEYS, TEXT_TO_IMAGE_TRAIN_KEYS, TEXT_TO_IMAGE_TRAINER
 from oomguard.jobs.spec.reader import ReadContext, Section, describe_value, did_you_mean, render_value, resolve_path, strip_none
+from oomguard.jobs.spec import text_to_image
+from oomguard.jobs.spec.text_to_image import CaptionedDataSpec, PipelineSpec
 from oomguard.jobs.spec.unconditional import DataSpec, ModelSpec, parse_data, parse_model
 from oomguard.jobs.trainers import TRAINER_NAMES
+from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.policy import Policy
 from oomguard.strategies.errors import JobFileError
@@ -67,9 +70,10 @@ class JobSpec:
 
     name: str
     trainer: str
-    # None for a command job: its script reads its own data and builds its own model.
-    data: DataSpec | None
-    model: ModelSpec | None
+    # None for a command job: its script reads its own data and builds its own model. A
+    # text-to-image job has captioned images and a pipeline folder.
+    data: DataSpec | CaptionedDataSpec | None
+    model: ModelSpec | PipelineSpec | None
     train: TrainSpec
     ladder: LadderSpec = field(default_factory=LadderSpec)
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
@@ -91,7 +95,8 @@ class JobSpec:
 
     def policy(self) -> Policy:
         """What the doctor may do for this job."""
-        allow = self.ladder.allow
+        features = self.features()
+        allow = tuple(name for name in self.ladder.allow if (r := rungs.rung(name)) is not None and r.needs <= features)
         if self.command is not None:
             # A knob the script does not expose is not a rung for it.
             exposed = exposed_rungs(self.command)
@@ -103,6 +108,13 @@ class JobSpec:
             initial=self.initial_plan(),
             micro_batch_argument=batch_argument(self.command) if self.command is not None else None,
         )
+
+    def features(self) -> frozenset[str]:
+        """What the job offers rungs (Rung.needs): a job that trains LoRA adapters already has
+        no whole model to turn into LoRA; only a text-to-image job has frozen encoders."""
+        if isinstance(self.model, PipelineSpec):
+            return frozenset({"frozen_parts", *(() if self.model.trains_adapters else ("full_model",))})
+        return frozenset({"full_model"})
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
@@ -125,9 +137,12 @@ class JobSpec:
         }
 
     def _train_dict(self) -> dict[str, Any]:
+        """[train] with the keys a job file of this kind may hold."""
         train = self.train.to_dict()
-        if self.command is not None:  # the keys a job file of a command job may hold
+        if self.command is not None:
             train = {key: value for key, value in train.items() if key not in SCRIPT_OWNED_TRAIN_KEYS}
+        if self.trainer != TEXT_TO_IMAGE_TRAINER:
+            train = {key: value for key, value in train.items() if key not in TEXT_TO_IMAGE_TRAIN_KEYS}
         return train
 
     @classmethod
@@ -158,8 +173,8 @@ class JobSpec:
         return cls(
             name=data["name"],
             trainer=data["trainer"],
-            data=DataSpec(**_stored_fields(DataSpec, data["data"])) if data.get("data") is not None else None,
-            model=ModelSpec(tuple(data["model"].items())) if data.get("model") is not None else None,
+            data=_stored_data(data),
+            model=_stored_model(data),
             train=TrainSpec(**train),
             ladder=LadderSpec(**_stored_fields(LadderSpec, data.get("ladder") or {})),
             resources=ResourcesSpec.from_dict(data.get("resources") or {}),
@@ -169,6 +184,22 @@ class JobSpec:
             workdir=data.get("workdir"),
             source_path=data.get("source_path"),
         )
+
+
+def _stored_data(stored: Mapping[str, Any]) -> DataSpec | CaptionedDataSpec | None:
+    if stored.get("data") is None:
+        return None
+    if stored["trainer"] == TEXT_TO_IMAGE_TRAINER:
+        return text_to_image.load_data(stored["data"])
+    return DataSpec(**_stored_fields(DataSpec, stored["data"]))
+
+
+def _stored_model(stored: Mapping[str, Any]) -> ModelSpec | PipelineSpec | None:
+    if stored.get("model") is None:
+        return None
+    if stored["trainer"] == TEXT_TO_IMAGE_TRAINER:
+        return PipelineSpec.load(stored["model"])
+    return ModelSpec(tuple(stored["model"].items()))
 
 
 def _stored_fields(part: type, stored: Mapping[str, Any]) -> dict[str, Any]:
@@ -181,7 +212,8 @@ def _stored_fields(part: type, stored: Mapping[str, Any]) -> dict[str, Any]:
 def parse_job(ctx: ReadContext, raw: Mapping[str, Any], source_path: str | None) -> JobSpec:
     """The whole job, in a fixed order (the first problem found is reported): the top-level
     keys, the tables of the job's kind, then [train], [ladder], [resources] and [notify]."""
-    ctx.command_job = isinstance(raw, Mapping) and raw.get("trainer") == COMMAND_TRAINER
+    trainer_given = raw.get("trainer") if isinstance(raw, Mapping) else None
+    ctx.trainer = trainer_given if isinstance(trainer_given, str) else None
     top = Section(ctx, None, raw)
     name = _name(top)
     trainer = _trainer(top)
@@ -245,10 +277,13 @@ def _command_tables(top: Section, workdir: str | None) -> CommandSpec:
     return command
 
 
-def _built_in_tables(top: Section, trainer: str) -> tuple[DataSpec, ModelSpec]:
+def _built_in_tables(top: Section, trainer: str) -> tuple[DataSpec | CaptionedDataSpec, ModelSpec | PipelineSpec]:
     """A built-in trainer's [data] and [model] (the model checked against data.resolution)."""
     if "command" in top.raw:
         raise top.fail("command", f'[command] is for trainer = "{COMMAND_TRAINER}"; trainer "{trainer}" is built in')
+    if trainer == TEXT_TO_IMAGE_TRAINER:
+        captioned = text_to_image.parse_data(top.ctx, top.required_table("data"))
+        return captioned, text_to_image.parse_model(top.ctx, top.required_table("model"), captioned.resolution)
     data = parse_data(top.ctx, top.required_table("data"))
     model = parse_model(top.ctx, top.required_table("model"), resolution=data.resolution)
     return data, model

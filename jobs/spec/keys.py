@@ -13,6 +13,9 @@ from oomguard.strategies.rungs.base import Placeholder
 
 # The trainer of jobs that run a command of their own (jobs/spec/command.py).
 COMMAND_TRAINER = "command"
+# The built-in trainer that fine-tunes a Stable Diffusion pipeline on captioned images
+# (jobs/spec/text_to_image.py); its [data], [model] and [train] hold other keys.
+TEXT_TO_IMAGE_TRAINER = "text_to_image"
 
 # The accepted UNet2DModel keyword arguments, in the order they are checked and stored.
 MODEL_KEYS: tuple[str, ...] = (
@@ -54,6 +57,7 @@ _TRAIN_KEYS = (
     "num_train_timesteps",
     "weight_decay",
     "micro_batch",
+    "lr_scheduler",
 )
 _LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe")
 _RESOURCES_KEYS = ("gpus", "share", "memory")
@@ -107,6 +111,24 @@ SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
     # [command.env] takes any variable name: checked one by one.
 }
 
+# A text-to-image job's tables where they differ from the unconditional trainer's.
+# [train] keys only the text-to-image trainer reads.
+TEXT_TO_IMAGE_TRAIN_KEYS = ("noise_offset", "snr_gamma")
+_TEXT_TO_IMAGE_KEYS: dict[str | None, tuple[str, ...]] = {
+    "data": ("source", "resolution", "center_crop", "random_flip", "caption_column"),
+    "model": ("path", "method", "lora_rank", "lora_alpha", "target_modules"),
+    "train": (*_TRAIN_KEYS, *TEXT_TO_IMAGE_TRAIN_KEYS),
+}
+
+
+def section_keys(name: str | None, trainer: str | None) -> tuple[str, ...] | None:
+    """The keys table ``name`` may hold in a job of ``trainer`` (None: any key, checked one
+    by one by its reader)."""
+    if trainer == TEXT_TO_IMAGE_TRAINER and name in _TEXT_TO_IMAGE_KEYS:
+        return _TEXT_TO_IMAGE_KEYS[name]
+    return SECTION_KEYS.get(name)
+
+
 # Keys people reach for that have a better home.
 SPECIAL_HINTS: dict[str, str] = {
     "sample_size": "the trainer sets it from data.resolution",
@@ -115,7 +137,7 @@ SPECIAL_HINTS: dict[str, str] = {
 # [train] keys of the built-in trainer only: a command's script decides these itself.
 SCRIPT_OWNED_TRAIN_KEYS = (
     "learning_rate", "seed", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "lr_warmup_steps",
-    "num_train_timesteps", "weight_decay",
+    "num_train_timesteps", "weight_decay", "lr_scheduler",
 )
 
 # What a command job may not have, by table: each is refused with its own reason (job.py).

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from oomguard.jobs.spec.keys import NOT_FOR_COMMAND_JOBS, SECTION_KEYS, SPECIAL_HINTS
+from oomguard.jobs.spec.keys import COMMAND_TRAINER, NOT_FOR_COMMAND_JOBS, SECTION_KEYS, SPECIAL_HINTS, section_keys
 from oomguard.strategies.errors import JobFileError
 
 
@@ -30,8 +30,13 @@ class ReadContext:
         self.check_files = check_files
         self.submit_dir = submit_dir
         self.home = home
-        # Set from trainer = "command" before any table is read: such a job may use fewer keys.
-        self.command_job = False
+        # Set from the job's trainer before any table is read: a command job may use fewer
+        # keys, a text-to-image job other ones.
+        self.trainer: str | None = None
+
+    @property
+    def command_job(self) -> bool:
+        return self.trainer == COMMAND_TRAINER
 
     def fail(self, key: str | None, problem: str) -> JobFileError:
         return JobFileError(self.path, key, problem)
@@ -117,8 +122,9 @@ class Section:
         if not isinstance(raw, Mapping):
             raise ctx.fail(name, f"expected a table ([{name}]), found {describe_value(raw)}")
         self.raw = raw
-        if name in SECTION_KEYS:
-            self._check_unknown(SECTION_KEYS[name])
+        allowed = section_keys(name, ctx.trainer)
+        if allowed is not None:
+            self._check_unknown(allowed)
 
     def _check_unknown(self, allowed: tuple[str, ...]) -> None:
         # A command job's keys the built-in trainer alone has are refused one by one, with a

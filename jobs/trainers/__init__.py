@@ -21,6 +21,7 @@ TrainerFactory = Callable[[Any], "Trainer"]
 # trainer name -> the module whose make_trainer(job) builds it.
 _BUILT_IN: dict[str, str] = {
     "unconditional": "oomguard.jobs.trainers.unconditional",
+    "text_to_image": "oomguard.jobs.trainers.text_to_image",
 }
 
 TRAINER_NAMES: tuple[str, ...] = tuple(_BUILT_IN)

@@ -4,7 +4,9 @@ The loop (jobs/loop.py), the probe (jobs/probe.py) and the shared training code
 (jobs/training.py) know a trainer only through this interface. What a trainer supplies is
 what differs between job kinds: the model's architecture (``build_model``), the step's inputs
 (``step_inputs``), the loss of a slice of them (``slice_loss``), the parameters whose gradient
-is noise (``zero_gradient_parameters``) and how the final model is written (``save_final``).
+is noise (``zero_gradient_parameters``), how the final model is written (``save_final``) and
+the frozen parts the trained model needs beside it, such as a text-to-image job's VAE and text
+encoders (``place_frozen``, ``frozen_tensors``: the memory model's "frozen" consumer).
 
 Everything generic to diffusers training is shared and not a trainer's: the plan's rungs on
 the built model and the optimizer, autocast and the grad scaler (``training.build_training``),
@@ -24,6 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
+
+    from oomguard.jobs.memory_cap import DeviceMemory
+    from oomguard.strategies.plan import Plan
 
 
 class StepInputs(Protocol):
@@ -58,4 +63,14 @@ class Trainer(Protocol):
 
     def save_final(self, model: torch.nn.Module, directory: Path) -> None:
         """Write the trained model to ``directory`` (the loop makes the write atomic)."""
+        ...
+
+    def place_frozen(self, plan: Plan, device: torch.device, memory: DeviceMemory) -> None:
+        """Put the frozen parts where ``plan`` wants them (on ``device``, counted by ``memory``);
+        called before the probe and for every plan built, so it must be idempotent. A trainer
+        without frozen parts does nothing."""
+        ...
+
+    def frozen_tensors(self) -> list[torch.Tensor]:
+        """The frozen parts' tensors on the device now (empty without any)."""
         ...

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from oomguard.jobs.data import ImageSource, SampleOrder, step_generator
+from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.spec import JobSpec
+from oomguard.strategies.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,12 @@ class UnconditionalTrainer:
 
     def save_final(self, model: torch.nn.Module, directory: Path) -> None:
         model.save_pretrained(directory)
+
+    def place_frozen(self, plan: Plan, device: torch.device, memory: DeviceMemory) -> None:
+        """The UNet is all there is: nothing frozen."""
+
+    def frozen_tensors(self) -> list[torch.Tensor]:
+        return []
 
 
 def make_trainer(job: JobSpec) -> UnconditionalTrainer:

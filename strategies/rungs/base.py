@@ -184,6 +184,11 @@ class Rung:
     autocast_dtype: Callable[[Plan, Any], Any] = _no_autocast
     # None: a command job never takes it.
     command: CommandSide | None = None
+    # What a job must offer for the rung to apply (JobSpec.features): "full_model" (the job
+    # trains the whole model, so LoRA and a quantized base are a change it can make),
+    # "frozen_parts" (the job has frozen encoders on the device: VAE, text encoders). Empty:
+    # every job.
+    needs: frozenset[str] = frozenset()
 
     def get(self, plan: Plan) -> Any:
         if self.knob in _PLAN_FIELDS:

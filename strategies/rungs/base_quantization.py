@@ -61,4 +61,5 @@ RUNG = Rung(
     memory=memory,
     label=label,
     adapt_model=adapt_model,
+    needs=frozenset({"full_model"}),
 )

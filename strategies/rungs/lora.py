@@ -76,6 +76,7 @@ RUNG = Rung(
     memory=memory,
     label=label,
     adapt_model=adapt_model,
+    needs=frozenset({"full_model"}),
     command=CommandSide(
         placeholders=(Placeholder("lora_rank", "the LoRA rank (only with [command.when] lora)", listed=6),),
         when=WhenKey("lora", "LoRA adapters are trained (with {lora_rank})", listed=4),

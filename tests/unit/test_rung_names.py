@@ -26,6 +26,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("jobs/spec/keys.py", "micro_batch"): "the job-file key train.micro_batch",
     ("jobs/spec/common.py", "micro_batch"): "the job-file key train.micro_batch",
     ("jobs/spec/command.py", "micro_batch"): "the job-file key train.micro_batch (checked against [command] processes)",
+    # A text-to-image job's `model.method = "lora"`: the job trains adapters from its first
+    # step, and saves them; the rung (strategies/rungs/lora.py) turns a full fine-tune into one.
+    ("jobs/spec/text_to_image.py", "lora"): 'the job-file value model.method = "lora"',
 }
 
 

@@ -63,6 +63,12 @@ class ToyTrainer:
         prediction = model(inputs.x[start:stop].to(device))
         return F.mse_loss(prediction, inputs.y[start:stop].to(device))
 
+    def place_frozen(self, plan, device, memory) -> None:
+        pass
+
+    def frozen_tensors(self) -> list[torch.Tensor]:
+        return []
+
     def save_final(self, model: torch.nn.Module, directory: Path) -> None:
         directory.mkdir(parents=True)
         torch.save(model.state_dict(), directory / FINAL_FILE)
