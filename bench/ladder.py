@@ -2,8 +2,9 @@
 """The ladder benchmark: which plan oomguard lands on under a memory cap, how many OOMs it
 takes to get there, and how fast that plan trains compared with the best plan there is.
 
-For every job in bench/jobs/ and a few emulated device capacities derived from that job's own
-measurements:
+For every job in bench/jobs/ (unconditional ones in bench/jobs/*.toml; text-to-image ones, LoRA
+and full, over tiny SD 1.x and SDXL pipelines, in bench/jobs/text_to_image/, see t2i_jobs.py)
+and a few emulated device capacities derived from that job's own measurements:
 
 1. Sweep. Every plan the job's ``ladder.allow`` can reach (``planner.candidate_plans``) is
    built fresh and trained for a warm step plus a measured one under an emulated device that
@@ -25,7 +26,10 @@ measurements:
    each in turn, and speeds are compared from that race, so machine noise hits all alike.
 
 Speeds are samples per CPU second of a one-thread process: work done, not how busy the
-machine was. Results: bench/results/ladder.md, ladder.json and ladder.png.
+machine was. For jobs with frozen parts (text-to-image), the report also gives the frozen parts'
+bytes and what each frozen-part rung saved in the sweep (frozen_savings.py). Results:
+bench/results/ladder.md, ladder.json and ladder.png; a run of some jobs only (``--jobs 't2i-*'``,
+or job files given) writes ladder-<selection>.md and so on, and leaves the whole set's alone.
 
 Run it with ``make bench`` (or ``.venv/bin/python bench/ladder.py``; ``--help`` for options).
 """
@@ -35,10 +39,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import fnmatch
 import json
 import multiprocessing
 import os
 import platform
+import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -51,11 +58,16 @@ from pathlib import Path
 from typing import Any
 
 import command_pairs
+import frozen_savings
+import t2i_jobs
 
 # One thread per process, here and in every process started from here (workers, the CLI and
 # its runner): CPU time then measures the work, and two processes share two cores.
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 os.environ.update(THREAD_ENV)
+# The text-to-image jobs' pipelines are local folders: a download attempt (nothing can be
+# reached from a bench machine) fails at once instead of hanging.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 JOBS_DIR = ROOT / "bench" / "jobs"
@@ -91,26 +103,38 @@ def log(text: str) -> None:
 # ----------------------------------------------------------------------------- workers
 # These run in the pool's processes (spawned, one thread each).
 
-_JOBS: dict[tuple[str, int | None], tuple[Any, Any]] = {}
+_SPECS: dict[tuple[str, int | None], Any] = {}
 
 
 def _init_worker() -> None:
+    # Nothing here turns diffusers' optional integrations off (jobs/run.py does, for the
+    # unconditional trainer only, to start faster): the text-to-image trainer loads its text
+    # encoders through transformers and its LoRA through diffusers' peft integration.
     import torch
 
     torch.set_num_threads(1)
 
 
-def _job(path: str, batch_size: int | None = None) -> tuple[Any, Any]:
-    """The job spec (with another batch size, for accelerate) and its trainer, once per worker."""
-    if (path, batch_size) not in _JOBS:
+def _spec(path: str, batch_size: int | None = None) -> Any:
+    """The job spec (with another batch size, for accelerate), read once per worker."""
+    if (path, batch_size) not in _SPECS:
         from oomguard.jobs.spec import load_job_file
-        from oomguard.jobs.trainers.unconditional import make_trainer
 
         job = load_job_file(path)
         if batch_size is not None:
             job = job.replace(train=dataclasses.replace(job.train, batch_size=batch_size))
-        _JOBS[path, batch_size] = (job, make_trainer(job))
-    return _JOBS[path, batch_size]
+        _SPECS[path, batch_size] = job
+    return _SPECS[path, batch_size]
+
+
+def _job(path: str, batch_size: int | None = None) -> tuple[Any, Any]:
+    """The job spec and a fresh trainer for it from the registry, as a runner makes one: a
+    text-to-image trainer holds the frozen parts, which rungs may move, cast or replace by
+    caches, so no two builds share one."""
+    from oomguard.jobs.trainers import make_trainer
+
+    job = _spec(path, batch_size)
+    return job, make_trainer(job)
 
 
 def _timed_step(trainer: Any, training: Any, step: int, memory: Any, control: Any) -> tuple[float, float]:
@@ -150,6 +174,9 @@ def sweep_task(job_path: str, plan: Any, steps: int) -> dict[str, Any]:
                 peaks.append(memory.peak_bytes() or 0)
                 if step > 0:
                     rates.append(cpu_rate)
+            # After the steps: the optimizer state exists, and a rung that replaces a frozen
+            # part by a cache has done so.
+            static = training.static_bytes()
     finally:
         training = None
         free()
@@ -159,6 +186,8 @@ def sweep_task(job_path: str, plan: Any, steps: int) -> dict[str, Any]:
         "first_step_peak_bytes": peaks[0],
         "steady_peak_bytes": max(peaks[1:]) if len(peaks) > 1 else None,
         "rates": rates,
+        # Bytes on the device by static consumer (parameters, optimizer state, frozen parts).
+        "static_bytes": static,
     }
 
 
@@ -232,7 +261,7 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
     from oomguard.jobs.training import build_training, free
     from oomguard.strategies.plan import Plan
 
-    start_batch = _job(job_path)[0].train.batch_size
+    start_batch = _spec(job_path).train.batch_size
     device = torch.device("cpu")
     ooms: list[dict[str, Any]] = []
     recognised: list[bool] = []
@@ -427,11 +456,14 @@ def load_jobs(paths: list[Path], all_micro_batches: bool) -> list[Job]:
     for path in paths:
         spec = load_job_file(path)
         start = spec.initial_plan()
-        candidates = planner.candidate_plans(start, spec.ladder.allow)
+        # The policy's allow, as the doctor reads it: ladder.allow less the rungs whose needs
+        # the job does not offer (JobSpec.features: LoRA on a LoRA job, frozen-part rungs on
+        # a job without frozen parts).
+        candidates = planner.candidate_plans(start, spec.policy().allow)
         tiers: dict[int, list[Any]] = {}
         for plan in sweep_plans(candidates, all_micro_batches):
             tiers.setdefault(planner.faithfulness(start, plan), []).append(plan)
-        trains = json.dumps([spec.data.to_dict(), spec.model.kwargs(), spec.train.to_dict()], sort_keys=True)
+        trains = json.dumps([spec.trainer, spec.data.to_dict(), spec.model.to_dict(), spec.train.to_dict()], sort_keys=True)
         jobs.append(Job(spec.name, str(path.resolve()), spec, start, candidates, tiers, shared.setdefault(trains, {})))
     return jobs
 
@@ -551,7 +583,13 @@ def median(values: Iterable[float | None]) -> float | None:
 def main() -> int:
     # Over 60 lines: the options, then the benchmark's sequence, read top to bottom.
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("jobs", nargs="*", type=Path, help="job files (default: bench/jobs/*.toml)")
+    parser.add_argument("jobs", nargs="*", type=Path,
+                        help="job files (default: bench/jobs/*.toml and the text-to-image jobs of bench/jobs/text_to_image/)")
+    parser.add_argument("--jobs", dest="only", metavar="NAMES",
+                        help="only the jobs whose names match one of these comma-separated names or globs, e.g. "
+                             "'t2i-*' or 'attn32,t2i-sd-lora' (a job's name is its file's, without .toml)")
+    parser.add_argument("--results-name", metavar="NAME",
+                        help="the results files' name (default: ladder for the whole job set, else ladder-<the selection>)")
     parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="processes at once (default: 2)")
     parser.add_argument("--steps", type=int, default=1, help="measured steps per plan in the sweep, after a warm step (default: 1)")
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds of the race, after a warm round (default: 4)")
@@ -562,6 +600,10 @@ def main() -> int:
     parser.add_argument("--update-readme", action="store_true", help="also rewrite the summary in README.md's Benchmarks section")
     parser.add_argument("--no-command-pairs", action="store_true", help="skip the command-job pairs (bench/command_pairs.py)")
     args = parser.parse_args()
+    whole = not args.jobs and not args.only
+    if args.update_readme and not whole:
+        parser.error("--update-readme summarises the whole job set: run it without job files and --jobs")
+    results_name = args.results_name or ("ladder" if whole else "ladder-" + _slug(args.only or "-".join(p.stem for p in args.jobs)))
 
     import accelerate
     import diffusers
@@ -569,8 +611,7 @@ def main() -> int:
 
     from oomguard.strategies import planner, rungs
 
-    paths = args.jobs or sorted(JOBS_DIR.glob("*.toml"))
-    jobs = load_jobs(paths, args.all_micro_batches)
+    jobs = load_jobs(select_jobs(args.jobs, args.only), args.all_micro_batches)
     machine = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpus": os.cpu_count(),
@@ -592,8 +633,11 @@ def main() -> int:
     pool = Pool(args.workers)
     scratch = Path(tempfile.mkdtemp(prefix="oomguard-bench-"))
     try:
-        # 1. The exact tier of every job, and the job's own plan (the caps' reference).
+        # 1. The exact tier of every job, and the job's own plan (the caps' reference); then
+        # each frozen-part rung's step from the own plan, for the savings table.
         sweep(pool, args.steps, [(job, p) for job in jobs for p in [*job.tiers[0], job.start]], "sweep")
+        sweep(pool, args.steps, [(job, p) for job in jobs for p in frozen_savings.extra_plans(job.spec, job.start)],
+              "sweep (frozen-part rungs at the own plans)")
 
         # 2. Caps; then, per cap, the plans the oracle needs.
         pairs: list[dict[str, Any]] = []
@@ -663,7 +707,8 @@ def main() -> int:
         for pair, result in zip(raced, pool.run("race", tasks, describe_race)):
             pair["race"] = result
         # Scripts run unchanged as command jobs: one process at a time, after the pool's work.
-        commands = None if args.no_command_pairs else command_pairs.measure(scratch / "command-pairs")
+        # They are part of the whole job set, not of a selection.
+        commands = None if args.no_command_pairs or not whole else command_pairs.measure(scratch / "command-pairs")
     finally:
         pool.close()
         if args.keep_workdirs:
@@ -674,17 +719,39 @@ def main() -> int:
     summary = summarise(jobs, pairs, machine, args, planner)
     summary["command_pairs"] = commands
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "ladder.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    plotted = plot(summary, args.out / "ladder.png")
-    (args.out / "ladder.md").write_text(markdown(summary, plotted))
+    (args.out / f"{results_name}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    plotted = plot(summary, args.out / f"{results_name}.png")
+    (args.out / f"{results_name}.md").write_text(markdown(summary, f"{results_name}.png" if plotted else None))
     if args.update_readme:
         update_readme(summary)
     s = summary["medians"]
     log(f"median OOMs per pair: oomguard {s['oomguard_ooms']}, accelerate {s['accelerate_ooms']}; "
         f"median fraction of the oracle: oomguard {_fmt(s['oomguard_fraction'])}, accelerate {_fmt(s['accelerate_fraction'])}")
-    log(f"wrote {args.out / 'ladder.md'}, ladder.json" + (", ladder.png" if plotted else " (no plot: matplotlib is missing)")
+    log(f"wrote {args.out / results_name}.md, .json" + (", .png" if plotted else " (no plot: matplotlib is missing)")
         + f"; total {(time.monotonic() - STARTED) / 60:.1f} min")
     return 0
+
+
+def select_jobs(files: list[Path], only: str | None) -> list[Path]:
+    """The job files to run: ``files``, or bench/jobs/*.toml and the text-to-image templates
+    (filled in by t2i_jobs, which makes their pipelines when one is chosen); of those, the
+    ones whose name (the file's, without .toml) matches a pattern of ``only``."""
+    templates = [] if files else t2i_jobs.templates()
+    candidates = list(files) or [*sorted(JOBS_DIR.glob("*.toml")), *templates]
+    if only is not None:
+        patterns = [p.strip() for p in only.split(",") if p.strip()]
+        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(c.stem, p) for c in candidates)]
+        if unmatched or not patterns:
+            raise SystemExit(f"--jobs {only!r}: {', '.join(unmatched) or 'no name'} matches none of the jobs: "
+                             f"{', '.join(c.stem for c in candidates)}")
+        candidates = [c for c in candidates if any(fnmatch.fnmatchcase(c.stem, p) for p in patterns)]
+    rendered = iter(t2i_jobs.prepare([c for c in candidates if c in templates]))
+    return [next(rendered) if c in templates else c for c in candidates]
+
+
+def _slug(text: str) -> str:
+    """A file-name part for a job selection: 't2i-*' -> 't2i', 'a,b' -> 'a-b'."""
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-") or "selection"
 
 
 def _initial(batch_size: int) -> Any:
@@ -695,6 +762,7 @@ def _initial(batch_size: int) -> Any:
 
 def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, Any], args: argparse.Namespace, planner: Any) -> dict[str, Any]:
     # Over 60 lines: every column of a pair's row computed in one place.
+    whole = not args.jobs and not args.only
     rows = []
     for pair in pairs:
         job, og, acc, race = pair["job"], pair["oomguard"], pair["accelerate"], pair.get("race", {})
@@ -762,11 +830,13 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
         measured = [r for k, r in job.results.items() if k in own]
         first, done = shown.setdefault(id(job.results), (job.name, set()))
         sweeps[job.name] = {
-            "file": os.path.relpath(job.path, ROOT),
-            "allow": list(job.spec.ladder.allow),
+            "file": t2i_jobs.shown_path(Path(job.path)),
+            "allow": list(job.spec.policy().allow),
             "candidate_plans": len(job.candidates),
             "swept_plans": len(measured),
             "same_training_as": first if first != job.name else None,
+            # The frozen parts on the device under the job's own plan (0 for a job without any).
+            "frozen_bytes": (job.results[key(job.start)].get("static_bytes") or {}).get("frozen"),
             "plans": [
                 {
                     "plan": r["plan"].short(),
@@ -775,6 +845,7 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
                     "first_step_peak_mib": round(r["first_step_peak_bytes"] / MiB, 2),
                     "steady_peak_mib": round(r["steady_peak_bytes"] / MiB, 2) if r["steady_peak_bytes"] else None,
                     "samples_per_s": statistics.median(r["rates"]),
+                    "frozen_mib": round(r["static_bytes"]["frozen"] / MiB, 3) if r.get("static_bytes") else None,
                 }
                 for r in sorted(measured, key=lambda r: (planner.faithfulness(job.start, r["plan"]), -r["peak_bytes"], r["plan"].short()))
                 if key(r["plan"]) not in done
@@ -791,10 +862,10 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
             if plan.offload != "none" and f"plan:{plan.short()}" in arms and f"plan:{twin.short()}" in arms:
                 offload_ratios.append(arms[f"plan:{plan.short()}"] / arms[f"plan:{twin.short()}"])
     return {
-        "command": "make bench   # = .venv/bin/python bench/ladder.py",
+        "command": "make bench   # = .venv/bin/python bench/ladder.py" if whole else shlex.join([".venv/bin/python", "bench/ladder.py", *sys.argv[1:]]),
         "arguments": sys.argv[1:],
         "machine": {**machine, "load_average_at_end": os.getloadavg()[0], "total_minutes": round((time.monotonic() - STARTED) / 60, 1)},
-        "settings": {"sweep_steps": args.steps, "race_rounds": args.rounds, "all_micro_batches": args.all_micro_batches,
+        "settings": {"whole_job_set": whole, "sweep_steps": args.steps, "race_rounds": args.rounds, "all_micro_batches": args.all_micro_batches,
                      "cap_fractions": CAP_FRACTIONS, "tight": TIGHT, "below_exact": BELOW_EXACT},
         "medians": {
             "pairs": len(rows),
@@ -811,6 +882,11 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
                             "max": max(offload_ratios, default=None), "count": len(offload_ratios)},
         "pairs": rows,
         "sweeps": sweeps,
+        "frozen_parts": {job.name: {"frozen_bytes": sweeps[job.name]["frozen_bytes"], "peak_bytes": job.peak(job.start)}
+                         for job in jobs if frozen_savings.FEATURE in job.spec.features()},
+        "frozen_part_rungs": [r.name for r in frozen_savings.frozen_part_rungs()],
+        "frozen_savings": [row for job in jobs if frozen_savings.FEATURE in job.spec.features()
+                           for row in frozen_savings.job_savings(job.name, job.spec, job.start, job.results, key)],
     }
 
 
@@ -853,14 +929,16 @@ def pair_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def markdown(summary: dict[str, Any], plotted: bool) -> str:
+def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
     # Over 60 lines: the report's text, in the order it is read.
     m, st = summary["machine"], summary["settings"]
     recognised = all(r["accelerate"]["oom_recognised_by_accelerate"] in (True, None) for r in summary["pairs"])
+    whole = st["whole_job_set"]
     out = [
-        "# Ladder benchmark",
+        "# Ladder benchmark" + ("" if whole else f": {', '.join(summary['sweeps'])}"),
         "",
-        "Written by `bench/ladder.py`; rerun with `make bench` (or `.venv/bin/python bench/ladder.py`).",
+        "Written by `bench/ladder.py`; rerun with `make bench` (or `.venv/bin/python bench/ladder.py`)." if whole else
+        f"Written by `bench/ladder.py` for these jobs only; rerun with `{summary['command']}`.",
         "",
         f"Measured {m['date']} on {m['cpus']} CPUs ({m['platform']}), Python {m['python']}, torch {m['torch']}, "
         f"diffusers {m['diffusers']}, accelerate {m['accelerate']}; {m['workers']} worker processes of one thread each; "
@@ -873,17 +951,21 @@ def markdown(summary: dict[str, Any], plotted: bool) -> str:
         summary_table(summary),
         "",
     ]
-    if plotted:
-        out += ["![samples/s as a fraction of the oracle's, and OOMs, per (job, cap)](ladder.png)", ""]
+    if plot_name:
+        out += [f"![samples/s as a fraction of the oracle's, and OOMs, per (job, cap)]({plot_name})", ""]
     out += [
         "## How it is measured",
         "",
+        "- **Jobs**: the unconditional ones of `bench/jobs/*.toml` and the text-to-image ones of `bench/jobs/text_to_image/` "
+        "(LoRA and full fine-tuning over tiny random SD 1.x and SDXL pipelines and random captioned images, made offline by "
+        "`bench/t2i_jobs.py`; their frozen VAE encoder and text encoders sit on the device beside the UNet). Each job "
+        "allows what its `ladder.allow` and features allow (`JobSpec.policy()`).",
         "- **Caps** come from each job's own sweep: 1.10, 0.70, 0.45 and 0.25 times the peak of the job's own plan (the "
         f"whole batch at once); fractions under {TIGHT} x the lowest peak of any exact plan give way to that one *tight* cap; "
         f"caps within {MIN_GAP:.0%} of a larger one are dropped. A job that allows approximate rungs also gets a cap midway "
         "between the lowest exact peak and the lowest peak of the most faithful approximate tier that goes lower, so that "
         "only approximate plans fit.",
-        f"- **Sweep**: the plans `planner.candidate_plans(job.initial_plan(), job.ladder.allow)` yields are built fresh and "
+        f"- **Sweep**: the plans `planner.candidate_plans(job.initial_plan(), job.policy().allow)` yields are built fresh and "
         f"trained for a warm step plus {st['sweep_steps']} more under an emulated device that counts bytes and never "
         "refuses; a plan's peak is the highest over all steps, the first included (where the optimizer state appears). "
         + ("Every micro-batch is swept. " if st["all_micro_batches"] else
@@ -959,6 +1041,7 @@ def markdown(summary: dict[str, Any], plotted: bool) -> str:
         out.append("")
     if summary.get("command_pairs"):
         out += [*command_pairs.markdown_section(summary["command_pairs"]), ""]
+    out += frozen_savings.markdown_section(summary["frozen_savings"], summary["frozen_parts"])
     out += ["## Sweeps", ""]
     for name, s in summary["sweeps"].items():
         same = f" The plans it shares with {s['same_training_as']} (same model, data and training) are listed there." if s["same_training_as"] else ""
@@ -966,9 +1049,12 @@ def markdown(summary: dict[str, Any], plotted: bool) -> str:
                 f"{s['candidate_plans']} candidate plans, {s['swept_plans']} swept.{same}", ""]
         if not s["plans"]:
             continue
-        out += ["| plan | faithfulness | peak MiB | first step MiB | steady MiB | ~samples/s |", "|---|---|---|---|---|---|"]
+        # The frozen parts' column only for jobs that have some (a text-to-image job's encoders).
+        frozen = s["frozen_bytes"] is not None and s["frozen_bytes"] > 0
+        out += ["| plan | faithfulness | peak MiB | first step MiB | steady MiB |" + (" frozen MiB |" if frozen else "") + " ~samples/s |",
+                "|---|---|---|---|---|" + ("---|" if frozen else "") + "---|"]
         out += [f"| `{p['plan']}` | {p['faithfulness']} | {p['peak_mib']} | {p['first_step_peak_mib']} | {_fmt(p['steady_peak_mib'])} | "
-                f"{_fmt(p['samples_per_s'], '.1f')} |" for p in s["plans"]]
+                + (f"{_fmt(p['frozen_mib'], '.3f')} | " if frozen else "") + f"{_fmt(p['samples_per_s'], '.1f')} |" for p in s["plans"]]
         out.append("")
     return "\n".join(out)
 

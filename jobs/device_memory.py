@@ -276,6 +276,15 @@ class EmulatedDevice:
                 self._refuse(nbytes, self._capacity)
             self._add(st, nbytes)
 
+    def move_out(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Tensors go back to the host (``model.to("cpu")``, a no-op on this CPU): no longer
+        counted, although their storages live on."""
+        for t in tensors:
+            st = _storage(t)
+            entry = self._tracked.get(id(st)) if st is not None else None
+            if entry is not None:
+                self._release(id(st), entry[0])
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Ops inside are not counted (host-side work: data loading, serialization).

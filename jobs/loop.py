@@ -99,7 +99,7 @@ class AttemptRun:
         self.control = control
         self.after_step = after_step
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.trainer: Trainer = make_trainer(self.job)
+        self.trainer: Trainer = make_trainer(self.job, config.workdir)
         self.progress = Progress()
         self.training: Training | None = None
         # The plan until a Training exists (the probe may change it); then training.plan.

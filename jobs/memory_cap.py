@@ -83,6 +83,9 @@ class DeviceMemory:
         """Count tensors that the runner built on the host and just moved to the device; an
         OOM when they do not fit, as ``.to(device)`` raises on a GPU."""
 
+    def move_out(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Stop counting tensors the runner moved back to the host."""
+
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Host-side work (loading images, writing checkpoints) that a GPU run does off the card."""
         return contextlib.nullcontext()
@@ -207,6 +210,9 @@ class EmulatedMemory(DeviceMemory):
 
     def move_in(self, tensors: Iterable[torch.Tensor | None]) -> None:
         self.emulated.move_in(tensors)
+
+    def move_out(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        self.emulated.move_out(tensors)
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         return self.emulated.paused()

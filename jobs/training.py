@@ -23,7 +23,7 @@ from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.spec import JobSpec
 from oomguard.jobs.trainers.base import Trainer
 from oomguard.strategies import rungs
-from oomguard.strategies.memory_model import Measurement
+from oomguard.strategies.memory_model import FROZEN_SIZE_PREFIX, Measurement
 from oomguard.strategies.outcome import MemoryFigures
 from oomguard.strategies.plan import Plan
 
@@ -53,8 +53,10 @@ class Training:
     # The frozen base weights of a LoRA run, on the host (checkpoints write them; the device
     # may hold them quantized).
     base_state: dict[str, torch.Tensor] | None = None
-    # The trainer's frozen parts on the device now (Trainer.frozen_tensors).
+    # The trainer's frozen parts on the device now (Trainer.frozen_tensors), and the bytes of
+    # each in full precision wherever it is (Trainer.frozen_sizes).
     frozen: Callable[[], list[torch.Tensor]] = list
+    frozen_sizes: Callable[[], dict[str, int]] = dict
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -84,6 +86,7 @@ class Training:
             "trainable": sum(p.numel() * p.element_size() for p in trainable),
             "optimizer_state": total(device_state_tensors(self.optimizer)),
             "frozen": total(self.frozen()),
+            **{f"{FROZEN_SIZE_PREFIX}{part}": size for part, size in self.frozen_sizes().items()},
         }
 
     def resident_bytes(self) -> int:
@@ -151,7 +154,7 @@ def build_training(
     autocast_dtype = rungs.autocast_dtype(plan, device)
     # fp16 overflows where fp32 and bf16 do not: its gradients need a scaler.
     scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
-    return Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state, trainer.frozen_tensors)
+    return Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state, trainer.frozen_tensors, trainer.frozen_sizes)
 
 
 def _merge_adapters(trainer: Trainer, weights: ModelWeights) -> ModelWeights:

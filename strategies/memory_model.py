@@ -85,12 +85,17 @@ class Measurement:
 def _set_aside(plan: Plan, roles: tuple[str, ...]) -> Plan:
     """The plan with the knobs of the rungs of ``roles`` at their defaults."""
     for r in rungs.ladder():
-        if r.role in roles:
+        if r.role in roles and r.get(plan) != r.default:
             plan = r.set(plan, r.default)
     return plan
 
 
-@functools.lru_cache(maxsize=8192)
+# The planner asks for the shape of every candidate, a hundred thousand of them for a
+# text-to-image job with every rung allowed: kept for that many.
+_PLANS_KEPT = 1 << 17
+
+
+@functools.lru_cache(maxsize=_PLANS_KEPT)
 def shape_of(plan: Plan) -> Plan:
     """The plan with micro-batch and allocator (the batch and process rungs) set aside: what
     the peak line depends on. (Kept for the plans seen last: the planner asks it for thousands
@@ -98,6 +103,7 @@ def shape_of(plan: Plan) -> Plan:
     return _set_aside(plan, ("batch", "process"))
 
 
+@functools.lru_cache(maxsize=_PLANS_KEPT)
 def _without_process_knobs(plan: Plan) -> Plan:
     """The plan as far as its memory goes: process settings (the allocator) set aside."""
     return _set_aside(plan, ("process",))
@@ -152,9 +158,27 @@ def _full_parameter_bytes(shape: Plan, static: dict[str, int]) -> float | None:
     return parameters / share
 
 
-def static_bytes(shape: Plan, full_parameters: float, frozen: float = 0.0) -> StaticBytes:
-    """What parameters, gradients, optimizer state and the frozen parts (``frozen`` bytes as
-    measured) of ``shape`` take on the device."""
+# A measurement's static bytes name each frozen part's full-precision size under this prefix
+# ("frozen_size_vae"), whether or not the part was on the device.
+FROZEN_SIZE_PREFIX = "frozen_size_"
+
+
+def frozen_sizes(static: dict[str, int]) -> dict[str, float]:
+    """The frozen parts' full-precision bytes a measurement's static bytes name, by part."""
+    return {key[len(FROZEN_SIZE_PREFIX):]: float(value) for key, value in static.items() if key.startswith(FROZEN_SIZE_PREFIX)}
+
+
+def frozen_on_device(shape: Plan, sizes: dict[str, float]) -> float:
+    """The bytes of the frozen parts ``shape`` keeps on the device: the parts no rung of it
+    drops, scaled by its rungs' frozen_scale."""
+    terms = _terms(shape)
+    dropped = {part for t in terms for part in t.frozen_dropped}
+    return sum(size for part, size in sizes.items() if part not in dropped) * math.prod(t.frozen_scale for t in terms)
+
+
+def static_bytes(shape: Plan, full_parameters: float, frozen: dict[str, float] | None = None) -> StaticBytes:
+    """What parameters, gradients, optimizer state and the frozen parts (``frozen``: each
+    part's full-precision bytes) of ``shape`` take on the device."""
     terms = _terms(shape)
     adapter_share = _first(t.adapter_share for t in terms)
     if adapter_share is None:
@@ -168,7 +192,9 @@ def static_bytes(shape: Plan, full_parameters: float, frozen: float = 0.0) -> St
     on_device = all(t.optimizer_on_device for t in terms)
     optimizer = trainable * (per_byte if per_byte is not None else ADAMW_STATE_PER_PARAMETER_BYTE) if on_device else 0.0
     casts = parameters * sum(t.cast_share for t in terms)
-    return StaticBytes(parameters=parameters, gradients=trainable, optimizer_state=optimizer, casts=casts, frozen=frozen)
+    return StaticBytes(
+        parameters=parameters, gradients=trainable, optimizer_state=optimizer, casts=casts, frozen=frozen_on_device(shape, frozen or {})
+    )
 
 
 @dataclass(frozen=True)
@@ -197,12 +223,12 @@ class MemoryModel:
         self._carried: dict[Plan, Line | None] = {}
         self._speed_lines: dict[Plan, tuple[tuple[float, float], float] | None] = {}
         self._full_parameters: float | None = None
-        self._frozen = 0.0
+        self._frozen_sizes: dict[str, float] = {}
         for m in self.measurements:
             full = _full_parameter_bytes(shape_of(m.plan), m.static)
             if full is not None:
                 self._full_parameters = full
-                self._frozen = float(m.static.get("frozen", 0))
+                self._frozen_sizes = frozen_sizes(m.static)
         for shape in dict.fromkeys(shape_of(m.plan) for m in self.measurements):  # in measured order, not hash order
             line = self._fit(shape)
             if line is not None:
@@ -213,7 +239,7 @@ class MemoryModel:
     def _static(self, shape: Plan) -> StaticBytes | None:
         if self._full_parameters is None:
             return None
-        return static_bytes(shape, self._full_parameters, self._frozen)
+        return static_bytes(shape, self._full_parameters, self._frozen_sizes)
 
     def _fit(self, shape: Plan) -> Line | None:
         runs = [m for m in self.measurements if m.fits and shape_of(m.plan) == shape]

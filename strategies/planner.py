@@ -46,18 +46,22 @@ def describe_change(old: Plan, new: Plan) -> str:
 def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) -> list[Plan]:
     """Every plan reachable from ``start`` by allowed rungs: the shapes their steps reach, each
     with every value of the allowed batch rungs (the micro-batch sizes worth trying). Process
-    rungs (the allocator) are the doctor's answer to fragmentation, never a candidate.
+    rungs (the allocator) are the doctor's answer to fragmentation, never a candidate; chained
+    rungs (Rung.chained) come in ladder order, each after the ones before it.
 
     ``restart=False`` keeps to rungs that take effect inside a running process.
     """
     allowed = set(allow)
     usable = [r for r in rungs.ladder() if r.name in allowed and (restart or not r.needs_restart)]
+    chain = [r for r in usable if r.chained]
     shapes = {start}
     frontier = [start]
     while frontier:
         plan = frontier.pop()
         for r in usable:
             if r.role != "shape":
+                continue
+            if r.chained and not all(earlier.is_on(plan) for earlier in chain[: chain.index(r)]):
                 continue
             new = r.step(plan)
             if new is not None and new not in shapes:

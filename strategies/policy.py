@@ -12,11 +12,20 @@ from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
 
 
+# What a job that trains a whole model and has nothing frozen offers rungs (Rung.needs).
+WHOLE_MODEL = frozenset({"full_model"})
+
+
 @dataclass(frozen=True)
 class Policy:
     """What the job allows: which rungs, and how many tries."""
 
-    allow: tuple[str, ...] = field(default_factory=rungs.exact_names)
+    # By default the exact rungs of a job that trains a whole model and has nothing frozen
+    # (what a job file's default gives the unconditional trainer; JobSpec.policy() gives each
+    # job its own).
+    allow: tuple[str, ...] = field(default_factory=lambda: rungs.usable_by(WHOLE_MODEL, rungs.exact_names()))
+    # Every rung the job could take if its file allowed it (what reports suggest).
+    usable: tuple[str, ...] = field(default_factory=lambda: rungs.usable_by(WHOLE_MODEL))
     max_attempts: int = 12
     crash_retries: int = 2
     # Attempts cut short by a neighbour's spike (contention) in a row, at most: a GPU that

@@ -96,13 +96,14 @@ class JobSpec:
     def policy(self) -> Policy:
         """What the doctor may do for this job."""
         features = self.features()
-        allow = tuple(name for name in self.ladder.allow if (r := rungs.rung(name)) is not None and r.needs <= features)
+        allow = rungs.usable_by(features, self.ladder.allow)
         if self.command is not None:
             # A knob the script does not expose is not a rung for it.
             exposed = exposed_rungs(self.command)
             allow = tuple(rung for rung in allow if rung in exposed)
         return Policy(
             allow=allow,
+            usable=rungs.usable_by(features),
             max_attempts=self.ladder.max_attempts,
             crash_retries=self.ladder.crash_retries,
             initial=self.initial_plan(),
@@ -113,7 +114,8 @@ class JobSpec:
         """What the job offers rungs (Rung.needs): a job that trains LoRA adapters already has
         no whole model to turn into LoRA; only a text-to-image job has frozen encoders."""
         if isinstance(self.model, PipelineSpec):
-            return frozenset({"frozen_parts", *(() if self.model.trains_adapters else ("full_model",))})
+            fixed_crops = isinstance(self.data, CaptionedDataSpec) and self.data.center_crop
+            return frozenset({"frozen_parts", *(() if self.model.trains_adapters else ("full_model",)), *(("fixed_crops",) if fixed_crops else ())})
         return frozenset({"full_model"})
 
     def replace(self, **changes: Any) -> JobSpec:

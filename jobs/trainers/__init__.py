@@ -2,7 +2,7 @@
 
 Only names here and lazy imports: importing a trainer module imports torch, and the job-file
 check (jobs/spec.py, daemon side) reads ``TRAINER_NAMES`` without it. Adding a trainer is one
-module with a ``make_trainer(job)`` (jobs/trainers/base.py says what it returns) and one line
+module with a ``make_trainer(job, workdir)`` (jobs/trainers/base.py says what it returns) and one line
 in ``_BUILT_IN``.
 """
 
@@ -11,14 +11,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from oomguard.jobs.trainers.base import Trainer
 
-TrainerFactory = Callable[[Any], "Trainer"]
+TrainerFactory = Callable[..., "Trainer"]
 
-# trainer name -> the module whose make_trainer(job) builds it.
+# trainer name -> the module whose make_trainer(job, workdir) builds it.
 _BUILT_IN: dict[str, str] = {
     "unconditional": "oomguard.jobs.trainers.unconditional",
     "text_to_image": "oomguard.jobs.trainers.text_to_image",
@@ -30,13 +31,15 @@ TRAINER_NAMES: tuple[str, ...] = tuple(_BUILT_IN)
 _registered: dict[str, TrainerFactory] = {}
 
 
-def make_trainer(job: Any) -> Trainer:
-    """The trainer for ``job`` (a JobSpec), by its ``trainer`` name."""
+def make_trainer(job: Any, workdir: Path | None = None) -> Trainer:
+    """The trainer for ``job`` (a JobSpec), by its ``trainer`` name. ``workdir``: the job's
+    folder, where a trainer may keep what it computes once (caches); None: nowhere that
+    outlives the process (a benchmark's or a test's trainer)."""
     if job.trainer in _registered:
         return _registered[job.trainer](job)
     if job.trainer not in _BUILT_IN:
         raise ValueError(f"unknown trainer {job.trainer!r} (built in: {', '.join(TRAINER_NAMES)})")
-    return importlib.import_module(_BUILT_IN[job.trainer]).make_trainer(job)
+    return importlib.import_module(_BUILT_IN[job.trainer]).make_trainer(job, workdir)
 
 
 @contextmanager

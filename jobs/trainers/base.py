@@ -15,7 +15,7 @@ gradient accumulation over micro-batches weighted by their share of samples
 ``lr_scheduler``, ``scaler``) and the device memory's consumers (``Training.device_tensors``,
 ``static_bytes``): all of these follow from the model the trainer built.
 
-A new kind of job is a new module under jobs/trainers/ with a ``make_trainer(job)`` and one
+A new kind of job is a new module under jobs/trainers/ with a ``make_trainer(job, workdir)`` and one
 line in the registry (jobs/trainers/__init__.py). Importing this module imports no torch.
 """
 
@@ -73,4 +73,9 @@ class Trainer(Protocol):
 
     def frozen_tensors(self) -> list[torch.Tensor]:
         """The frozen parts' tensors on the device now (empty without any)."""
+        ...
+
+    def frozen_sizes(self) -> dict[str, int]:
+        """The bytes of each frozen part in full precision, wherever it is now, by the memory
+        model's part names ("vae", "text"; empty without any)."""
         ...

@@ -15,14 +15,14 @@ the offset noise) is made for the whole effective batch from a generator seeded 
 step) and then sliced, so a run whose batch is split differently, or that resumes, trains
 the same weights.
 
-The VAE and the text encoders are frozen: their weights sit on the device beside the UNet (the
-memory model's "frozen" consumer), and only what training uses goes there. The VAE's decoder
-turns latents back into images, which training never does, so it stays in host memory (in SD
-1.5 it is 60 % of the VAE's weights).
+The VAE and the text encoders are frozen (jobs/frozen_parts.py: where they are under a plan).
+With the rungs cache_latents and cache_text their encodings are computed once, at the start of
+the attempt, and read from disk in each step (jobs/encoding_cache.py).
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +32,11 @@ import torch.nn.functional as F
 
 from oomguard.jobs.captions import captioned_images
 from oomguard.jobs.data import SampleOrder, step_generator
+from oomguard.jobs.encoding_cache import CACHE_FOLDER, EncodingCache, folder_digest, key_of
+from oomguard.jobs.frozen_parts import FrozenParts
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.spec import JobSpec
+from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
 
 
@@ -43,11 +46,15 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class TextImageInputs:
-    """Host-side tensors for one whole effective batch (``time_ids`` and ``input_ids_2``: SDXL)."""
+    """Host-side tensors for one whole effective batch. The images come as pixels, or as the
+    VAE posterior's cached moments; the captions as token ids (one tensor per tokenizer), or
+    as cached embeddings (``pooled_embeds`` and ``time_ids``: SDXL's added conditioning)."""
 
-    pixels: torch.Tensor
-    input_ids: torch.Tensor
-    input_ids_2: torch.Tensor | None
+    pixels: torch.Tensor | None
+    moments: torch.Tensor | None
+    input_ids: list[torch.Tensor] | None
+    prompt_embeds: torch.Tensor | None
+    pooled_embeds: torch.Tensor | None
     time_ids: torch.Tensor | None
     posterior_noise: torch.Tensor
     noise: torch.Tensor
@@ -55,44 +62,43 @@ class TextImageInputs:
 
     @property
     def size(self) -> int:
-        return self.pixels.shape[0]
+        return self.noise.shape[0]
 
 
 @dataclass(frozen=True)
-class Sample:
-    """One preprocessed image, and what SDXL's added conditioning says about it."""
+class Geometry:
+    """Where one sample comes from in its image: the image's size, the size it is resized to
+    (width, height) and the square crop's top-left corner in the resized image."""
 
-    pixels: torch.Tensor
     original_size: tuple[int, int]
+    resized: tuple[int, int]
     crop_top_left: tuple[int, int]
 
 
 class TextToImageTrainer:
     """The Trainer (jobs/trainers/base.py) of jobs with ``trainer = "text_to_image"``."""
 
-    def __init__(self, job: JobSpec) -> None:
-        from diffusers import AutoencoderKL, DDPMScheduler
-        from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    def __init__(self, job: JobSpec, workdir: Path | None = None) -> None:
+        from diffusers import DDPMScheduler
 
         self.job = job
         self.pipeline_path = Path(job.model.path)
-        self.sdxl = (self.pipeline_path / "text_encoder_2").is_dir()
+        self.frozen = FrozenParts(self.pipeline_path)
+        self.sdxl = self.frozen.sdxl
         self.images = captioned_images(Path(job.data.source), job.data.caption_column)
-        _check_images_open(self.images)
+        self.sizes = _image_sizes(self.images)
         self.order = SampleOrder(len(self.images), job.train.seed)
-        path = str(self.pipeline_path)
-        self.tokenizers = [CLIPTokenizer.from_pretrained(path, subfolder="tokenizer")]
-        self.text_encoders: list[torch.nn.Module] = [CLIPTextModel.from_pretrained(path, subfolder="text_encoder")]
-        if self.sdxl:
-            self.tokenizers.append(CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"))
-            self.text_encoders.append(CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2"))
-        self.vae = AutoencoderKL.from_pretrained(path, subfolder="vae")
-        for part in (self.vae, *self.text_encoders):
-            part.requires_grad_(False)
-            part.eval()
-        self.noise_scheduler = DDPMScheduler.from_pretrained(path, subfolder="scheduler")
-        self.latent_channels = self.vae.config.latent_channels
-        self.latent_size = job.data.resolution // 2 ** (len(self.vae.config.block_out_channels) - 1)
+        self.captions = sorted({image.caption for image in self.images})
+        self.caption_index = {caption: index for index, caption in enumerate(self.captions)}
+        self.noise_scheduler = DDPMScheduler.from_pretrained(str(self.pipeline_path), subfolder="scheduler")
+        vae = self.frozen.vae.config
+        self.latent_channels = vae.latent_channels
+        self.latent_size = job.data.resolution // 2 ** (len(vae.block_out_channels) - 1)
+        # A test's or a benchmark's trainer has no workdir: its caches live as long as it does.
+        self.cache_dir = workdir / CACHE_FOLDER if workdir is not None else Path(tempfile.mkdtemp(prefix="oomguard-cache-"))
+        self.latent_cache: EncodingCache | None = None
+        self.text_cache: EncodingCache | None = None
+        self._digests: dict[str, str] = {}
 
     # -- the model ---------------------------------------------------------------------------
 
@@ -130,17 +136,65 @@ class TextToImageTrainer:
 
     # -- frozen parts ------------------------------------------------------------------------
 
-    def _on_device(self) -> list[torch.nn.Module]:
-        """The frozen modules training runs: the VAE's encoder half and the text encoders."""
-        return [self.vae.encoder, self.vae.quant_conv, *self.text_encoders]
-
     def place_frozen(self, plan: Plan, device: torch.device, memory: DeviceMemory) -> None:
-        for module in self._on_device():
-            module.to(device)
-        memory.move_in(self.frozen_tensors())
+        """The frozen parts where the plan wants them, and the caches it reads built (with the
+        device holding only the frozen parts when the attempt starts)."""
+        handling = rungs.frozen_handling(plan)
+        self.frozen.place(handling, device, memory)
+        self.latent_cache = self._latents(plan.micro_batch, device, memory) if handling.latents_cached else None
+        self.text_cache = self._text_embeddings(plan.micro_batch, device, memory) if handling.text_cached else None
 
     def frozen_tensors(self) -> list[torch.Tensor]:
-        return [t for module in self._on_device() for t in (*module.parameters(), *module.buffers())]
+        return self.frozen.on_device()
+
+    def frozen_sizes(self) -> dict[str, int]:
+        return self.frozen.sizes()
+
+    def _digest(self, *parts: str) -> str:
+        """A digest of the pipeline's ``parts`` folders (config, weights, vocabulary)."""
+        name = "+".join(parts)
+        if name not in self._digests:
+            self._digests[name] = key_of({part: folder_digest(self.pipeline_path / part) for part in parts})
+        return self._digests[name]
+
+    def _latents(self, chunk: int, device: torch.device, memory: DeviceMemory) -> EncodingCache:
+        """The cache of every image's posterior moments (both flips with random_flip), built
+        when it does not exist yet."""
+        data = self.job.data
+        flips = (False, True) if data.random_flip else (False,)
+        images = [(str(image.path), image.path.stat().st_size, image.path.stat().st_mtime_ns) for image in self.images]
+        key = key_of({
+            "vae": self._digest("vae"), "dtype": str(self.frozen.dtype("vae")), "tiled": self.frozen.handling.encode_tiled,
+            "images": images, "resolution": data.resolution, "flips": flips,
+        })
+        cache = EncodingCache(self.cache_dir, "latents", key)
+        if not cache.exists():
+            items = [(index, flip) for index in range(len(self.images)) for flip in flips]
+
+            def encode(batch: list[tuple[int, bool]]) -> torch.Tensor:
+                with memory.paused():
+                    pixels = torch.stack([self._pixels(index, self._geometry(index, flip, None), flip) for index, flip in batch])
+                return self.frozen.encode_images(pixels.to(device, copy=True))
+
+            cache.write(_encoded("cache_latents: encoded", items, chunk, encode, memory, lambda item: f"{item[0]}:{int(item[1])}"))
+        return cache
+
+    def _text_embeddings(self, chunk: int, device: torch.device, memory: DeviceMemory) -> EncodingCache:
+        """The cache of every caption's embeddings (and SDXL's pooled ones), built when it does
+        not exist yet."""
+        parts = ("tokenizer", "text_encoder", *(("tokenizer_2", "text_encoder_2") if self.sdxl else ()))
+        key = key_of({"encoders": self._digest(*parts), "dtype": str(self.frozen.dtype("text")), "captions": self.captions})
+        cache = EncodingCache(self.cache_dir, "text", key)
+        if not cache.exists():
+
+            def encode(batch: list[int]) -> torch.Tensor:
+                ids = [t.to(device, copy=True) for t in self.frozen.tokenize([self.captions[index] for index in batch])]
+                hidden, pooled = self.frozen.encode_text(ids)
+                # One tensor per caption: the pooled embeddings ride along, flattened after the hidden states.
+                return hidden.flatten(1) if pooled is None else torch.cat([hidden.flatten(1), pooled], dim=1)
+
+            cache.write(_encoded("cache_text: encoded", list(range(len(self.captions))), chunk, encode, memory, str))
+        return cache
 
     # -- a step ------------------------------------------------------------------------------
 
@@ -153,37 +207,57 @@ class TextToImageTrainer:
         noise = torch.randn(latent_shape, generator=generator)
         timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (batch,), generator=generator)
         posterior_noise = torch.randn(latent_shape, generator=generator)
-        flips = torch.rand((batch,), generator=generator) < 0.5
+        flips = [data.random_flip and bool(flip) for flip in torch.rand((batch,), generator=generator) < 0.5]
         corners = torch.rand((batch, 2), generator=generator)
         offsets = torch.randn((batch, self.latent_channels, 1, 1), generator=generator)
         if self.job.train.noise_offset:
             noise = noise + self.job.train.noise_offset * offsets
-        samples = [
-            self._sample(index, flip=data.random_flip and bool(flip), corner=None if data.center_crop else (float(y), float(x)))
-            for index, flip, (y, x) in zip(indices, flips, corners)
-        ]
-        captions = [self.images[index].caption for index in indices]
+        geometries = [self._geometry(i, flip, None if data.center_crop else (float(y), float(x))) for i, flip, (y, x) in zip(indices, flips, corners)]
+        pixels = moments = None
+        if self.latent_cache is not None:
+            moments = torch.stack([self.latent_cache.get(f"{i}:{int(flip)}") for i, flip in zip(indices, flips)])
+        else:
+            pixels = torch.stack([self._pixels(i, geometry, flip) for i, geometry, flip in zip(indices, geometries, flips)])
+        captions = [self.images[i].caption for i in indices]
+        input_ids = prompt_embeds = pooled = None
+        if self.text_cache is not None:
+            prompt_embeds, pooled = self._cached_text(captions)
+        else:
+            input_ids = self.frozen.tokenize(captions)
         time_ids = None
         if self.sdxl:
-            time_ids = torch.tensor([[*s.original_size, *s.crop_top_left, data.resolution, data.resolution] for s in samples], dtype=torch.float32)
-        return TextImageInputs(
-            pixels=torch.stack([s.pixels for s in samples]),
-            input_ids=self._tokenize(0, captions),
-            input_ids_2=self._tokenize(1, captions) if self.sdxl else None,
-            time_ids=time_ids,
-            posterior_noise=posterior_noise,
-            noise=noise,
-            timesteps=timesteps,
-        )
+            time_ids = torch.tensor([[*g.original_size, *g.crop_top_left, data.resolution, data.resolution] for g in geometries], dtype=torch.float32)
+        return TextImageInputs(pixels, moments, input_ids, prompt_embeds, pooled, time_ids, posterior_noise, noise, timesteps)
 
-    def _tokenize(self, which: int, captions: list[str]) -> torch.Tensor:
-        tokenizer = self.tokenizers[which]
-        return tokenizer(captions, max_length=tokenizer.model_max_length, padding="max_length", truncation=True, return_tensors="pt").input_ids
+    def _cached_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        assert self.text_cache is not None
+        rows = torch.stack([self.text_cache.get(str(self.caption_index[caption])) for caption in captions])
+        hidden_size = self.unet_cross_attention_dim
+        tokens = self.frozen.tokenizers[0].model_max_length
+        hidden = rows[:, : tokens * hidden_size].view(len(captions), tokens, hidden_size)
+        return hidden, (rows[:, tokens * hidden_size:] if self.sdxl else None)
 
-    def _sample(self, index: int, *, flip: bool, corner: tuple[float, float] | None) -> Sample:
-        """Image ``index`` as the scripts' transforms make it: the shorter side resized to the
-        resolution (bilinear), flipped, then cropped square in the centre or at ``corner``
-        (fractions of the room there is), and scaled to [-1, 1]."""
+    @property
+    def unet_cross_attention_dim(self) -> int:
+        return sum(encoder.config.hidden_size for encoder in self.frozen.text_encoders) if self.sdxl else self.frozen.text_encoders[0].config.hidden_size
+
+    def _geometry(self, index: int, flip: bool, corner: tuple[float, float] | None) -> Geometry:
+        """The scripts' transforms, as numbers: the shorter side resized to the resolution,
+        (flipped,) then a square cropped in the centre or at ``corner`` (fractions of the room
+        there is)."""
+        size = self.job.data.resolution
+        height, width = self.sizes[index]
+        short, long = sorted((width, height))
+        scaled_long = int(size * long / short)
+        resized = (size, scaled_long) if width <= height else (scaled_long, size)
+        if corner is None:
+            top, left = int(round((resized[1] - size) / 2.0)), int(round((resized[0] - size) / 2.0))
+        else:
+            top, left = int(corner[0] * (resized[1] - size + 1)), int(corner[1] * (resized[0] - size + 1))
+        return Geometry((height, width), resized, (top, left))
+
+    def _pixels(self, index: int, geometry: Geometry, flip: bool) -> torch.Tensor:
+        """Image ``index`` as ``geometry`` says (bilinear resize, flip, crop), in [-1, 1]."""
         from PIL import Image
 
         path, size = self.images[index].path, self.job.data.resolution
@@ -192,22 +266,17 @@ class TextToImageTrainer:
                 image = opened.convert("RGB")
         except (OSError, ValueError, Image.DecompressionBombError) as error:
             raise DataError(f"data: image {path} does not decode ({error}): replace it or remove it (and its caption) from the folder") from None
-        original = (image.height, image.width)
-        short, long = sorted(image.size)
-        scaled_long = int(size * long / short)
-        image = image.resize((size, scaled_long) if image.width <= image.height else (scaled_long, size), Image.Resampling.BILINEAR)
+        image = image.resize(geometry.resized, Image.Resampling.BILINEAR)
         if flip:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        if corner is None:
-            top, left = int(round((image.height - size) / 2.0)), int(round((image.width - size) / 2.0))
-        else:
-            top, left = int(corner[0] * (image.height - size + 1)), int(corner[1] * (image.width - size + 1))
+        top, left = geometry.crop_top_left
         image = image.crop((left, top, left + size, top + size))
         pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1).float()
-        return Sample(pixels / 127.5 - 1, original, (top, left))
+        return pixels / 127.5 - 1
 
     def slice_loss(self, model: torch.nn.Module, inputs: TextImageInputs, start: int, stop: int, device: torch.device) -> torch.Tensor:
         """Mean loss over samples start..stop-1 of the step's batch."""
+        from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
         def part(tensor: torch.Tensor) -> torch.Tensor:
             # copy=True: on the CPU .to() would otherwise return a view of the host batch,
@@ -215,11 +284,17 @@ class TextToImageTrainer:
             return tensor[start:stop].to(device, copy=True)
 
         with torch.no_grad():
-            posterior = self.vae.encode(part(inputs.pixels)).latent_dist
+            moments = part(inputs.moments) if inputs.moments is not None else self.frozen.encode_images(part(inputs.pixels))
             # The posterior's sample, with noise drawn for the whole batch (latent_dist.sample
             # would draw it per slice).
-            latents = (posterior.mean + posterior.std * part(inputs.posterior_noise)) * self.vae.config.scaling_factor
-            hidden, added = self._encode_text(inputs, part)
+            posterior = DiagonalGaussianDistribution(moments)
+            latents = (posterior.mean + posterior.std * part(inputs.posterior_noise)) * self.frozen.vae.config.scaling_factor
+            if inputs.prompt_embeds is not None:
+                hidden = part(inputs.prompt_embeds)
+                pooled = part(inputs.pooled_embeds) if inputs.pooled_embeds is not None else None
+            else:
+                hidden, pooled = self.frozen.encode_text([part(ids) for ids in inputs.input_ids])
+        added = {"text_embeds": pooled, "time_ids": part(inputs.time_ids)} if self.sdxl else None
         noise, timesteps = part(inputs.noise), part(inputs.timesteps)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         if self.noise_scheduler.config.prediction_type == "v_prediction":
@@ -231,18 +306,6 @@ class TextToImageTrainer:
         if self.job.train.snr_gamma is not None:
             loss = loss * self._snr_weights(timesteps)
         return loss.mean()
-
-    def _encode_text(self, inputs: TextImageInputs, part: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        """The UNet's encoder_hidden_states, and SDXL's added conditioning (None for SD)."""
-        if not self.sdxl:
-            return self.text_encoders[0](part(inputs.input_ids), return_dict=False)[0], None
-        hidden_states, pooled = [], None
-        for encoder, ids in zip(self.text_encoders, (inputs.input_ids, inputs.input_ids_2)):
-            output = encoder(part(ids), output_hidden_states=True, return_dict=False)
-            pooled = output[0]  # the last encoder's projected, pooled output is SDXL's text_embeds
-            hidden_states.append(output[-1][-2])
-        assert inputs.time_ids is not None and pooled is not None
-        return torch.cat(hidden_states, dim=-1), {"text_embeds": pooled, "time_ids": part(inputs.time_ids)}
 
     def _snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
         """Min-SNR weighting (Hang et al. 2023), as the scripts compute it: min(SNR, gamma) / SNR
@@ -272,25 +335,45 @@ class TextToImageTrainer:
             layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(model))
             self.pipeline_class().save_lora_weights(save_directory=str(directory), unet_lora_layers=layers, safe_serialization=True)
             return
-        parts: dict[str, Any] = {"unet": model, "vae": self.vae, "text_encoder": self.text_encoders[0], "tokenizer": self.tokenizers[0]}
-        if self.sdxl:
-            parts.update(text_encoder_2=self.text_encoders[1], tokenizer_2=self.tokenizers[1])
-        pipeline = self.pipeline_class().from_pretrained(str(self.pipeline_path), **parts)
+        # The frozen parts come from the base folder as they are there (training never
+        # changes them; a rung may have cast or moved the copies here).
+        pipeline = self.pipeline_class().from_pretrained(str(self.pipeline_path), unet=model)
         pipeline.save_pretrained(str(directory))
 
 
-def _check_images_open(images: list[Any]) -> None:
-    """Every image's header reads as an image: a file that is not one fails here, at the
-    start, rather than some steps in (a file damaged further in fails when it is loaded)."""
+def _encoded(what: str, items: list[Any], chunk: int, encode: Any, memory: DeviceMemory, name: Any) -> dict[str, torch.Tensor]:
+    """``encode`` applied to ``items`` ``chunk`` at a time, one host tensor per item by
+    ``name(item)``; progress printed about every tenth of the way."""
+    tensors: dict[str, torch.Tensor] = {}
+    every = max(1, len(items) // 10)
+    for start in range(0, len(items), chunk):
+        batch = items[start:start + chunk]
+        encoded = encode(batch)
+        with memory.paused():  # host copies, which the emulated device must not count
+            for item, row in zip(batch, encoded):
+                tensors[name(item)] = row.to("cpu", copy=True)
+        del encoded
+        done = min(start + chunk, len(items))
+        if done % every < chunk or done == len(items):
+            print(f"{what} {done}/{len(items)}", flush=True)
+    return tensors
+
+
+def _image_sizes(images: list[Any]) -> list[tuple[int, int]]:
+    """Every image's (height, width), read from its header: a file that is not an image fails
+    here, at the start, rather than some steps in (a file damaged further in fails when it is
+    loaded)."""
     from PIL import Image
 
+    sizes = []
     for image in images:
         try:
-            with Image.open(image.path):
-                pass
+            with Image.open(image.path) as opened:
+                sizes.append((opened.height, opened.width))
         except (OSError, ValueError, Image.DecompressionBombError) as error:
             raise DataError(f"data: {image.path} is not an image that can be read ({error}): replace it or remove it (and its caption)") from None
+    return sizes
 
 
-def make_trainer(job: JobSpec) -> TextToImageTrainer:
-    return TextToImageTrainer(job)
+def make_trainer(job: JobSpec, workdir: Path | None = None) -> TextToImageTrainer:
+    return TextToImageTrainer(job, workdir)

@@ -92,6 +92,9 @@ class UnconditionalTrainer:
     def frozen_tensors(self) -> list[torch.Tensor]:
         return []
 
+    def frozen_sizes(self) -> dict[str, int]:
+        return {}
 
-def make_trainer(job: JobSpec) -> UnconditionalTrainer:
+
+def make_trainer(job: JobSpec, workdir: Path | None = None) -> UnconditionalTrainer:
     return UnconditionalTrainer(job)

@@ -9,7 +9,7 @@ command jobs) reads the registry through the functions below.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -18,22 +18,35 @@ from oomguard.strategies.rungs import (
     allocator,
     attention,
     base_quantization,
+    cache_latents,
+    cache_text,
     checkpointing,
+    frozen_half,
     lora,
     micro_batch,
     offload,
+    offload_frozen,
     optimizer_8bit,
     precision,
+    vae_slicing,
+    vae_tiling,
 )
-from oomguard.strategies.rungs.base import MakeOptimizer, Rung
+from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung
 
-# The order is the ladder's.
+# The order is the ladder's. The caches come first: exact, and they make steps faster. The
+# approximate rungs go from the least invasive (the frozen encoders' precision) to the most.
 _LADDER: tuple[Rung, ...] = (
     allocator.RUNG,
+    cache_text.RUNG,
+    cache_latents.RUNG,
     micro_batch.RUNG,
     checkpointing.RUNG,
     attention.RUNG,
+    vae_slicing.RUNG,
+    offload_frozen.RUNG,
     offload.RUNG,
+    vae_tiling.RUNG,
+    frozen_half.RUNG,
     precision.RUNG,
     optimizer_8bit.RUNG,
     lora.RUNG,
@@ -53,6 +66,13 @@ def names() -> tuple[str, ...]:
 def exact_names() -> tuple[str, ...]:
     """The rungs that keep the training trajectory (same weights up to float rounding)."""
     return tuple(r.name for r in _LADDER if r.exact)
+
+
+def usable_by(features: frozenset[str], allow: Iterable[str] | None = None) -> tuple[str, ...]:
+    """The rungs of ``allow`` (in its order; all, in ladder order, when None) whose needs a job
+    offering ``features`` meets (Rung.needs, JobSpec.features)."""
+    names_given = tuple(allow) if allow is not None else names()
+    return tuple(name for name in names_given if (r := rung(name)) is not None and r.needs <= features)
 
 
 def rung(name: str) -> Rung | None:
@@ -123,3 +143,11 @@ def autocast_dtype(plan: Plan, device: Any) -> Any:
         if dtype is not None:
             return dtype
     return None
+
+
+def frozen_handling(plan: Plan) -> FrozenHandling:
+    """What the frozen parts of a trainer that has some do under ``plan``."""
+    handling = FrozenHandling()
+    for r in _LADDER:
+        handling = r.frozen(plan, handling)
+    return handling

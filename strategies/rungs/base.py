@@ -27,7 +27,9 @@ from oomguard.strategies.plan import Plan
 Role = Literal["shape", "batch", "process"]
 
 # The consumers of an OOM's breakdown a rung can shrink (strategies/outcome.py MemoryFigures).
-Consumer = Literal["activations", "gradients", "optimizer_state", "parameters"]
+Consumer = Literal["activations", "gradients", "optimizer_state", "parameters", "frozen"]
+# The frozen parts a text-to-image job keeps beside its UNet, as the memory model counts them.
+FrozenPart = Literal["vae", "text"]
 
 _PLAN_FIELDS = frozenset(f.name for f in dataclasses.fields(Plan))
 
@@ -43,7 +45,9 @@ class MemoryTerms:
     ``base_share``: bytes kept per byte of that frozen base (only with adapters: nothing else is
     frozen). ``optimizer_bytes_per_byte``: optimizer state per byte of trained parameters;
     ``optimizer_on_device`` False: that state lives in host memory. ``cast_share``: extra bytes
-    per parameter byte a step keeps (autocast's low-precision copies).
+    per parameter byte a step keeps (autocast's low-precision copies). ``frozen_dropped``: frozen
+    parts no longer kept on the device between steps; ``frozen_scale``: bytes kept per byte of
+    the frozen parts that stay (16-bit copies of fp32 weights: 0.5).
     """
 
     activation: float = 1.0
@@ -53,6 +57,29 @@ class MemoryTerms:
     optimizer_bytes_per_byte: float | None = None
     optimizer_on_device: bool = True
     cast_share: float = 0.0
+    frozen_dropped: frozenset[FrozenPart] = frozenset()
+    frozen_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class FrozenHandling:
+    """What a trainer with frozen parts (jobs/trainers/text_to_image.py) does with them under a
+    plan: the effects of the frozen-part rungs, which each rung sets through its ``frozen`` hook,
+    so that the trainer reads effects and never a rung's name.
+
+    ``latents_cached``: every image is encoded once and the VAE leaves the device;
+    ``text_cached``: every caption is encoded once and the text encoders leave the device;
+    ``on_host``: the frozen parts live in host memory and visit the device only to encode;
+    ``encode_sliced``: the VAE encodes one image at a time; ``encode_tiled``: in overlapping
+    tiles (approximate); ``half``: the frozen parts' weights are 16-bit (approximate).
+    """
+
+    latents_cached: bool = False
+    text_cached: bool = False
+    on_host: bool = False
+    encode_sliced: bool = False
+    encode_tiled: bool = False
+    half: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +150,10 @@ def _no_autocast(plan: Plan, device: Any) -> Any:
     return None
 
 
+def _frozen_unchanged(plan: Plan, handling: FrozenHandling) -> FrozenHandling:
+    return handling
+
+
 def _no_memory_terms(plan: Plan) -> MemoryTerms | None:
     return None
 
@@ -182,12 +213,20 @@ class Rung:
     place_optimizer: Callable[[Plan, list[Any], MakeOptimizer, Any], Any] = _not_placed
     # The torch dtype forward and backward run in under autocast on ``device``, or None.
     autocast_dtype: Callable[[Plan, Any], Any] = _no_autocast
+    # What it does to the frozen parts of a trainer that has some (FrozenHandling).
+    frozen: Callable[[Plan, FrozenHandling], FrozenHandling] = _frozen_unchanged
     # None: a command job never takes it.
     command: CommandSide | None = None
+    # Taken only once every chained rung before it on the ladder (of those allowed) is taken:
+    # the frozen-part rungs are tried as one cumulative chain, not in every combination (six
+    # rungs would multiply the planner's candidates by 64; most combinations repeat each other,
+    # as nothing is left to offload once both encodings are cached).
+    chained: bool = False
     # What a job must offer for the rung to apply (JobSpec.features): "full_model" (the job
     # trains the whole model, so LoRA and a quantized base are a change it can make),
-    # "frozen_parts" (the job has frozen encoders on the device: VAE, text encoders). Empty:
-    # every job.
+    # "frozen_parts" (the job has frozen encoders on the device: VAE, text encoders),
+    # "fixed_crops" (each image always becomes the same sample, up to a flip: its latents can
+    # be computed once). Empty: every job.
     needs: frozenset[str] = frozenset()
 
     def get(self, plan: Plan) -> Any:

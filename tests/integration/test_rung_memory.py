@@ -26,11 +26,14 @@ from oomguard.jobs.device_memory import EmulatedDevice
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.precision import resolve_mixed_precision
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.rungs import attention, base_quantization, checkpointing, exact_names, lora, names, offload, optimizer_8bit, precision
+from oomguard.strategies.rungs import attention, base_quantization, checkpointing, exact_names, lora, names, offload, optimizer_8bit, precision, usable_by
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-RUNG_NAMES, EXACT_RUNG_NAMES = names(), exact_names()
+# The rungs a job of the unconditional trainer can take (the frozen-part rungs are a
+# text-to-image job's: JobSpec.features).
+UNCONDITIONAL = frozenset({"full_model"})
+RUNG_NAMES, EXACT_RUNG_NAMES = usable_by(UNCONDITIONAL), usable_by(UNCONDITIONAL, exact_names())
 
 MiB = 2**20
 UNET = dict(

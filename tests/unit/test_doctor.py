@@ -21,10 +21,13 @@ from oomguard.strategies.outcome import (
 )
 from oomguard.strategies.plan import EXPANDABLE_SEGMENTS, Plan
 from oomguard.strategies.policy import Policy
-from oomguard.strategies.rungs import exact_names, names
+from oomguard.strategies.rungs import exact_names, names, usable_by
 from oomguard.strategies.units import format_bytes
 
-RUNG_NAMES, EXACT_RUNG_NAMES = names(), exact_names()
+# The rungs a job of the unconditional trainer can take (the frozen-part rungs are a
+# text-to-image job's: JobSpec.features).
+UNCONDITIONAL = frozenset({"full_model"})
+RUNG_NAMES, EXACT_RUNG_NAMES = usable_by(UNCONDITIONAL), usable_by(UNCONDITIONAL, exact_names())
 
 MiB = 2**20
 START = Plan.initial(16)
@@ -851,3 +854,21 @@ def test_a_step_peak_that_did_not_move_with_half_the_micro_batch_stops_a_command
     assert isinstance(decision, GiveUp) and "a step took 790.0 MiB with 8 samples and 800.0 MiB with 16" in decision.reason
     moved = dataclasses.replace(now, measurements=(dataclasses.replace(steady[1], peak_bytes=500 * MiB),))
     assert isinstance(decide(moved, half, [PastAttempt(START, before), PastAttempt(half, moved)], TAKES_BATCH), NextPlan)
+
+
+def test_a_plan_that_may_fit_only_without_the_full_margin_is_tried_before_giving_up():
+    # Peaks 125 and 105 MiB at micro-batches 4 and 2: 85 + 10 per sample. Micro-batch 1, at 95
+    # MiB of 100, misses the 8 % margin of a fitted line but not the 3 % of a plan that ran.
+    start = Plan.initial(4)
+    static = {"parameters": 20 * MiB, "trainable": 20 * MiB, "optimizer_state": 40 * MiB}
+    measured = tuple(
+        Measurement(plan=start.replace(micro_batch=size), fits=True, peak_bytes=peak * MiB, capacity=200 * MiB, samples_per_s=10.0, static=static)
+        for size, peak in ((4, 125), (2, 105))
+    )
+    outcome = dataclasses.replace(oom(total=100 * MiB, allocated=90 * MiB, requested=20 * MiB), measurements=measured)
+    decision = decide(outcome, start, [PastAttempt(start, outcome)], Policy(allow=("micro_batch",), initial=start))
+    assert isinstance(decision, NextPlan) and decision.plan.micro_batch == 1
+    assert "the closest plan to fitting" in decision.reason
+    # It fails at most once: then the job gives up.
+    history = [PastAttempt(start, outcome), PastAttempt(decision.plan, outcome)]
+    assert isinstance(decide(outcome, decision.plan, history, Policy(allow=("micro_batch",), initial=start)), GiveUp)

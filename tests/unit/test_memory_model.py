@@ -14,9 +14,12 @@ from oomguard.strategies.memory_model import MARGIN_MEASURED, Measurement, Memor
 from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.policy import Policy
-from oomguard.strategies.rungs import checkpointing, exact_names, names
+from oomguard.strategies.rungs import checkpointing, exact_names, names, usable_by
 
-RUNG_NAMES, EXACT_RUNG_NAMES = names(), exact_names()
+# The rungs a job of the unconditional trainer can take (the frozen-part rungs are a
+# text-to-image job's: JobSpec.features).
+UNCONDITIONAL = frozenset({"full_model"})
+RUNG_NAMES, EXACT_RUNG_NAMES = usable_by(UNCONDITIONAL), usable_by(UNCONDITIONAL, exact_names())
 
 MiB = 2**20
 BATCH = 16

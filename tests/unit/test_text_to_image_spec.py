@@ -233,3 +233,11 @@ def test_a_bad_lr_scheduler_is_named_with_the_choices(tmp_path, folders):
     pipeline, images = folders
     message = error_of(job_text(pipeline, images, train='lr_scheduler = "cosine_annealing"'), tmp_path)
     assert 'train.lr_scheduler: expected one of "constant_with_warmup", "constant", "linear", "cosine"' in message
+
+
+@pytest.mark.parametrize("name", ["text_to_image_lora.toml", "text_to_image_full.toml"])
+def test_the_example_job_files_are_valid(name):
+    # Their folders are the user's to fill in: the keys and values are checked, not the files.
+    path = Path(__file__).resolve().parents[2] / "jobs" / "examples" / name
+    job = parse_job_text(path.read_text(), path, check_files=False)
+    assert job.trainer == "text_to_image" and job.policy().allow

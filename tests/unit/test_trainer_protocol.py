@@ -69,6 +69,9 @@ class ToyTrainer:
     def frozen_tensors(self) -> list[torch.Tensor]:
         return []
 
+    def frozen_sizes(self) -> dict[str, int]:
+        return {}
+
     def save_final(self, model: torch.nn.Module, directory: Path) -> None:
         directory.mkdir(parents=True)
         torch.save(model.state_dict(), directory / FINAL_FILE)

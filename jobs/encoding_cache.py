@@ -1,0 +1,80 @@
+"""Encodings computed once and kept on disk: a text-to-image job's VAE latents (rung
+cache_latents) and caption embeddings (rung cache_text).
+
+A cache is one safetensors file, ``WORKDIR/cache/{kind}-{key}.safetensors``, whose key is a
+digest of everything its tensors depend on: the encoder's files (their bytes), the inputs
+(images by path, size and modification time; captions by their text) and the preprocessing.
+A changed input gives another key, so a stale cache is never read; it is written to a
+temporary name, flushed and renamed, so a cache that exists is complete. Caches whose key is
+no longer wanted are deleted when a new one is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CACHE_FOLDER = "cache"
+_CHUNK = 1 << 20
+
+
+def files_digest(paths: Iterable[Path]) -> str:
+    """sha256 over the names and bytes of ``paths`` (in the order given)."""
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as handle:
+            while chunk := handle.read(_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def folder_digest(folder: Path) -> str:
+    """files_digest of every file in ``folder`` (a pipeline part: config and weights)."""
+    return files_digest(sorted(p for p in folder.iterdir() if p.is_file()))
+
+
+def key_of(description: dict[str, Any]) -> str:
+    """A short digest of a JSON-ready description of a cache's inputs."""
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:20]
+
+
+class EncodingCache:
+    """One cache file: ``kind`` names what it holds, ``key`` what it was computed from."""
+
+    def __init__(self, folder: Path, kind: str, key: str) -> None:
+        self.folder = folder
+        self.kind = kind
+        self.path = folder / f"{kind}-{key}.safetensors"
+        self._handle: Any = None
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def write(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Write the cache atomically, then delete this kind's caches of other keys."""
+        from safetensors.torch import save_file
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, str(temporary))
+        with temporary.open("rb") as handle:
+            os.fsync(handle.fileno())
+        temporary.rename(self.path)
+        for other in self.folder.glob(f"{self.kind}-*.safetensors"):
+            if other != self.path:
+                other.unlink()
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from the memory-mapped file (the file is opened once)."""
+        if self._handle is None:
+            from safetensors import safe_open
+
+            self._handle = safe_open(str(self.path), framework="pt")
+        return self._handle.get_tensor(name)
