@@ -114,8 +114,31 @@ def _terms(plan: Plan) -> list[MemoryTerms]:
     return [terms for r in rungs.ladder() if (terms := r.memory(plan)) is not None]
 
 
-def _activation_factor(plan: Plan) -> float:
-    return math.prod(terms.activation for terms in _terms(plan))
+def _activation_factor(plan: Plan, observed: dict[str, float] | None = None) -> float:
+    """The product of the activation factors of the rungs ``plan`` has on: a rung's factor as
+    ``observed`` on this job's measurements where there is one, else as its terms say."""
+    observed = observed or {}
+    return math.prod(observed.get(r.name, terms.activation) for r in rungs.ladder() if (terms := r.memory(plan)) is not None)
+
+
+# An observed factor is kept within these bounds (two noisy lines could give any ratio).
+OBSERVED_FACTOR_RANGE = (0.05, 1.5)
+
+
+def observed_activation_factors(lines: dict[Plan, Line]) -> dict[str, float]:
+    """Each shape rung's activation factor on this job, where two fitted lines differ in that
+    rung alone: the per-sample slope with it over the slope without it. The rungs' own factors
+    are rounded from this project's UNet2DModel; gradient checkpointing, for one, keeps about
+    twice as much of its activations as of a Stable Diffusion UNet's."""
+    observed: dict[str, float] = {}
+    for without, low in lines.items():
+        for with_rung, high in lines.items():
+            differing = [r for r in rungs.ladder() if r.role == "shape" and r.get(without) != r.get(with_rung)]
+            if len(differing) != 1 or not differing[0].is_on(with_rung) or differing[0].is_on(without) or low.per_sample <= 0:
+                continue
+            lowest, highest = OBSERVED_FACTOR_RANGE
+            observed.setdefault(differing[0].name, min(highest, max(lowest, high.per_sample / low.per_sample)))
+    return observed
 
 
 def _time_factor(plan: Plan) -> float:
@@ -176,14 +199,17 @@ def frozen_on_device(shape: Plan, sizes: dict[str, float]) -> float:
     return sum(size for part, size in sizes.items() if part not in dropped) * math.prod(t.frozen_scale for t in terms)
 
 
-def static_bytes(shape: Plan, full_parameters: float, frozen: dict[str, float] | None = None) -> StaticBytes:
+def static_bytes(shape: Plan, full_parameters: float, frozen: dict[str, float] | None = None, trained_share: float = 1.0) -> StaticBytes:
     """What parameters, gradients, optimizer state and the frozen parts (``frozen``: each
-    part's full-precision bytes) of ``shape`` take on the device."""
+    part's full-precision bytes) of ``shape`` take on the device. ``trained_share``: the share
+    of the model's parameters the job itself trains (a text-to-image LoRA job's adapters:
+    a few per cent), when no rung froze them."""
     terms = _terms(shape)
     adapter_share = _first(t.adapter_share for t in terms)
     if adapter_share is None:
-        # Nothing is frozen, so nothing is quantized either.
-        parameters = trainable = full_parameters
+        # No rung froze anything, so nothing is quantized either.
+        parameters = full_parameters
+        trainable = full_parameters * trained_share
     else:
         trainable = full_parameters * adapter_share
         base_share = _first(t.base_share for t in terms)
@@ -224,22 +250,26 @@ class MemoryModel:
         self._speed_lines: dict[Plan, tuple[tuple[float, float], float] | None] = {}
         self._full_parameters: float | None = None
         self._frozen_sizes: dict[str, float] = {}
+        self._trained_share = 1.0
         for m in self.measurements:
             full = _full_parameter_bytes(shape_of(m.plan), m.static)
             if full is not None:
                 self._full_parameters = full
                 self._frozen_sizes = frozen_sizes(m.static)
+                if _first(t.adapter_share for t in _terms(m.plan)) is None and m.static.get("trainable") is not None and full > 0:
+                    self._trained_share = min(1.0, m.static["trainable"] / full)
         for shape in dict.fromkeys(shape_of(m.plan) for m in self.measurements):  # in measured order, not hash order
             line = self._fit(shape)
             if line is not None:
                 self._lines[shape] = line
+        self._observed = observed_activation_factors(self._lines)
 
     # -- memory -------------------------------------------------------------------------
 
     def _static(self, shape: Plan) -> StaticBytes | None:
         if self._full_parameters is None:
             return None
-        return static_bytes(shape, self._full_parameters, self._frozen_sizes)
+        return static_bytes(shape, self._full_parameters, self._frozen_sizes, self._trained_share)
 
     def _fit(self, shape: Plan) -> Line | None:
         runs = [m for m in self.measurements if m.fits and shape_of(m.plan) == shape]
@@ -297,7 +327,7 @@ class MemoryModel:
         reference = min(self._lines, key=lambda other: _distance(other, shape))
         ref_line = self._lines[reference]
         ref_static, static = self._static(reference), self._static(shape)
-        per_sample = ref_line.per_sample * _activation_factor(shape) / _activation_factor(reference)
+        per_sample = ref_line.per_sample * _activation_factor(shape, self._observed) / _activation_factor(reference, self._observed)
         if ref_static is None or static is None:
             return Line(ref_line.fixed, per_sample, measured=False)
         transient = max(0.0, ref_line.fixed - ref_static.total)
@@ -314,7 +344,7 @@ class MemoryModel:
             known = self._static(shape_of(m.plan))
             if known is None:
                 continue
-            scale = _activation_factor(shape) / _activation_factor(m.plan)
+            scale = _activation_factor(shape, self._observed) / _activation_factor(m.plan, self._observed)
             per_sample = max(per_sample, (m.peak_bytes - known.total) / m.plan.micro_batch * scale)
         return Line(static.total, per_sample, measured=False)
 

@@ -345,7 +345,7 @@ def _encoded(what: str, items: list[Any], chunk: int, encode: Any, memory: Devic
     """``encode`` applied to ``items`` ``chunk`` at a time, one host tensor per item by
     ``name(item)``; progress printed about every tenth of the way."""
     tensors: dict[str, torch.Tensor] = {}
-    every = max(1, len(items) // 10)
+    tenths_said = 0
     for start in range(0, len(items), chunk):
         batch = items[start:start + chunk]
         encoded = encode(batch)
@@ -354,7 +354,8 @@ def _encoded(what: str, items: list[Any], chunk: int, encode: Any, memory: Devic
                 tensors[name(item)] = row.to("cpu", copy=True)
         del encoded
         done = min(start + chunk, len(items))
-        if done % every < chunk or done == len(items):
+        if done * 10 // len(items) > tenths_said:
+            tenths_said = done * 10 // len(items)
             print(f"{what} {done}/{len(items)}", flush=True)
     return tensors
 
