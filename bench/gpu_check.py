@@ -270,6 +270,17 @@ class ConditionalTrainer:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / FINAL_STATS).write_text(json.dumps(cuda_peaks(), indent=2))
 
+    # The text embeddings are random inputs, not a text encoder's output: nothing frozen to
+    # place or count (jobs/trainers/base.py, the frozen parts of a text-to-image job).
+    def place_frozen(self, plan: Any, device: Any, memory: Any) -> None:
+        """Nothing frozen."""
+
+    def frozen_tensors(self) -> list[Any]:
+        return []
+
+    def frozen_sizes(self) -> dict[str, int]:
+        return {}
+
 
 def cuda_peaks() -> dict[str, int | None]:
     """This process's CUDA peaks since the last reset (the runner resets them every step)."""
@@ -297,7 +308,8 @@ def attempt_worker(attempt_dir: Path) -> int:
     import oomguard.jobs.loop as loop
     from oomguard.jobs import run
 
-    loop.make_trainer = lambda job: ConditionalTrainer(job, settings["model"])
+    # The loop calls make_trainer(job, workdir), as the trainer registry does; this trainer keeps nothing in the workdir.
+    loop.make_trainer = lambda job, workdir=None: ConditionalTrainer(job, settings["model"])
     return run.main([str(attempt_dir)])
 
 

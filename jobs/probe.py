@@ -155,5 +155,11 @@ def run_probe(
     if fitting:
         model = MemoryModel(measurements)
         best = min(fitting, key=lambda m: planner.rank(model, origin, m.plan))
+        # Out of measurements: a plan the model says fits with its margins beats the fastest
+        # one measured (often a micro-batch of 1, measured to learn a shape's line).
+        failed = {m.plan for m in measurements if not m.fits}
+        safe = planner.choose(origin, [p for p in candidates if p not in failed], model, capacity)
+        if safe is not None and planner.rank(model, origin, safe.plan) < planner.rank(model, origin, best.plan):
+            return ProbeResult(safe.plan, tuple(measurements), f"probe: start at {safe.summary(capacity)} (out of measurements)")
         return ProbeResult(best.plan, tuple(measurements), f"probe: start at [{best.plan.short()}], the fastest plan measured")
     return ProbeResult(start, tuple(measurements), "probe: no plan measured fits; the doctor decides from the measurements", failure=last_oom)
