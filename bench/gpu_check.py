@@ -1,7 +1,19 @@
 #!/usr/bin/env python
 """GPU check: which plan oomguard lands on for a Stable-Diffusion-1.5-sized UNet on 8, 12 and
 24 GiB cards, emulated on one big GPU, how many OOMs that takes, and how fast that plan trains
-compared with the fastest plan that fits.
+compared with the fastest plan that fits; and (``--cases t2i``) what `oomguard run` does with
+text-to-image jobs on an SD-1.5-size pipeline on the same cards.
+
+Two parts, ``--cases unet,t2i`` (the default: both). *unet*, described below, runs first in
+its share of ``--budget`` (half of it when both run); *t2i*, in bench/gpu_check_t2i.py, gets the
+rest: the product's own path, ``oomguard run JOB --emulate-device-memory 8GiB --json`` in a
+subprocess, for a LoRA and a full fine-tune job of the built-in ``text_to_image`` trainer on an
+SD-1.5-size pipeline folder (random weights, 512 px) that it builds on the GPU at run time,
+with deadlines for the build and for each case (see that file). Its results go to
+gpu-t2i.md/json (gpu-dry-run-t2i.md/json for the dry run), apart from the unet part's, so that
+either part can be run again alone without losing the other's.
+
+The rest of this docstring is the unet part.
 
 The model is ``diffusers.UNet2DConditionModel`` with SD 1.5's UNet config (written inline
 below, random weights, nothing downloaded: 860M parameters), trained with the DDPM
@@ -10,11 +22,11 @@ noise-prediction MSE loss and AdamW on random latents (4x64x64) and random text 
 memory fraction N GiB / total (``torch.cuda.set_per_process_memory_fraction``, through
 oomguard's own ``jobs/memory_cap.py``), so the OOMs are PyTorch's own.
 
-Which path, and why. The built-in trainer path (``oomguard run JOB --json``) cannot train this
-model: a job file's ``[model]`` holds UNet2DModel keyword arguments only (jobs/spec/ accepts
-no ``cross_attention_dim`` and no CrossAttn block types) and the runner's loop builds its
-trainer with ``jobs.trainers.make_trainer`` (images, no text). So this script
-does not re-implement the decisions either: it runs oomguard's real runner,
+Which path, and why. This part measures the UNet alone, on random latents and embeddings (no
+VAE, no text encoder, no images to read), so that its sweep and oracle compare plans of the
+UNet's own memory; the built-in ``text_to_image`` trainer always brings a pipeline's frozen parts
+and data (the t2i part measures that path as a user runs it). Nor does this part re-implement
+the decisions: it runs oomguard's real runner,
 ``oomguard.jobs.run.main`` (the probe, the memory model and planner, in-process recovery
 through ``doctor.decide_in_process``, OOM figures from ``jobs/memory_cap.py``, the checkpoint
 after an OOM, ``outcome.json``), in a fresh process per attempt as the daemon does, with one
@@ -50,14 +62,16 @@ whole check ends in under 8 minutes on an H200):
    is the fastest that fits, the most faithful tier first. What the time does not allow is
    skipped and listed in the results.
 
-Without CUDA it exits with status 2, unless ``--dry-run``: the same code on the CPU with a tiny
-UNet2DConditionModel (batch 8, one timed step) and cards of a few MiB through oomguard's
-emulated device memory (``jobs/device_memory.py``), within a 55 s budget, written to
-gpu-dry-run.md/json (never gpu.md). On a loaded machine the budget cuts it short (attempts
+Without CUDA it exits with status 2 (and says that the t2i cases were skipped, and why), unless
+``--dry-run``: the same code on the CPU with a tiny UNet2DConditionModel (batch 8, one timed
+step) and cards of a few MiB through oomguard's emulated device memory
+(``jobs/device_memory.py``), within a 55 s budget, written to gpu-dry-run.md/json (never
+gpu.md); then the t2i cases' dry run, 30 s more (tests/pipelines.py's tiny pipeline, one LoRA
+job on an emulated 0.75 MiB card). On a loaded machine the budget cuts it short (attempts
 stopped, oracle skipped), which the results say.
 
-Results: bench/results/gpu.md and gpu.json (``--out`` to change). Run it with
-``.venv/bin/python bench/gpu_check.py`` (``--help`` for options).
+Results: bench/results/gpu.md and gpu.json, gpu-t2i.md and gpu-t2i.json (``--out`` to change).
+Run it with ``.venv/bin/python bench/gpu_check.py`` (``--help`` for options).
 """
 
 from __future__ import annotations
@@ -83,6 +97,9 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# The text-to-image cases (--cases t2i) live beside this file (the script's folder is on sys.path).
+import gpu_check_t2i as t2i
 
 STARTED = time.monotonic()
 ROOT = Path(__file__).resolve().parent.parent
@@ -1134,20 +1151,44 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
-def main() -> int:
-    # Over 60 lines: the options, then the check's sequence, read top to bottom.
+CASES = ("unet", "t2i")
+
+
+def parse_options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="on the CPU, a tiny model and emulated cards of a few MiB (writes gpu-dry-run.md/json)")
+    parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny models and emulated cards of a few MiB (writes gpu-dry-run*.md/json)")
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="which parts run, comma-separated: unet (the SD 1.5 UNet through the runner, sweep and oracle), "
+                             "t2i (text-to-image jobs through `oomguard run`) (default: both)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the results go (default: bench/results)")
-    parser.add_argument("--budget", type=float, help=f"seconds for the whole check (default: {GPU_BUDGET_S:.0f}; {DRY_RUN_BUDGET_S:.0f} with --dry-run)")
-    parser.add_argument("--cards", help=f"card sizes, comma-separated (default: {','.join(GPU_CARDS)}; {','.join(DRY_RUN_CARDS)} with --dry-run)")
-    parser.add_argument("--batch", type=int, help=f"the effective batch on every card (default: {BATCH}; {DRY_RUN_BATCH} with --dry-run)")
-    parser.add_argument("--steps", type=int, help=f"timed steps per plan, after a warm one (default: {STEPS}; {DRY_RUN_STEPS} with --dry-run)")
-    parser.add_argument("--allow", help="rungs the job allows, comma-separated (default: all of them)")
+    parser.add_argument("--budget", type=float,
+                        help=f"seconds for the whole check (default: {GPU_BUDGET_S:.0f}, {t2i.T2I_SHARE * 100:.0f}%% of it for t2i when both run; "
+                             f"{DRY_RUN_BUDGET_S:.0f} + {t2i.DRY_RUN_SECONDS:.0f} for t2i with --dry-run)")
+    parser.add_argument("--cards", help=f"unet: card sizes, comma-separated (default: {','.join(GPU_CARDS)}; {','.join(DRY_RUN_CARDS)} with --dry-run)")
+    parser.add_argument("--batch", type=int, help=f"unet: the effective batch on every card (default: {BATCH}; {DRY_RUN_BATCH} with --dry-run)")
+    parser.add_argument("--steps", type=int, help=f"unet: timed steps per plan, after a warm one (default: {STEPS}; {DRY_RUN_STEPS} with --dry-run)")
+    parser.add_argument("--allow", help="unet: rungs the job allows, comma-separated (default: all of them)")
+    parser.add_argument("--t2i-cards", help=f"t2i: card sizes (default: {','.join(GPU_CARDS)}; {','.join(t2i.DRY_RUN_CARDS)} with --dry-run)")
+    parser.add_argument("--t2i-methods", help=f"t2i: the jobs' [model] method, comma-separated (default: {','.join(t2i.METHODS)}; "
+                                             f"{','.join(t2i.DRY_RUN_METHODS)} with --dry-run)")
+    parser.add_argument("--t2i-batch", type=int, help=f"t2i: the jobs' batch_size (default: {t2i.BATCH}; {t2i.DRY_RUN_BATCH} with --dry-run)")
+    parser.add_argument("--t2i-steps", type=int, help=f"t2i: steps after the first (default: {t2i.STEPS}; {t2i.DRY_RUN_STEPS} with --dry-run)")
+    parser.add_argument("--t2i-allow", help="t2i: the jobs' ladder.allow, comma-separated, or 'all' (default: the exact rungs)")
+    parser.add_argument("--t2i-case-seconds", type=float, help=f"t2i: at most this many seconds per case (default: {t2i.CASE_CAP_S['sd15']:.0f}; "
+                                                                           "the rest of the budget with --dry-run)")
     parser.add_argument("--keep-workdirs", action="store_true", help="keep the attempts' workdirs (printed; an SD 1.5 checkpoint is 10 GB)")
     parser.add_argument("--worker-attempt", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown or not args.cases:
+        parser.error(f"--cases: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(CASES)}")
+    return args
+
+
+def main() -> int:
+    args = parse_options()
     if args.worker_attempt is not None:
         return attempt_worker(args.worker_attempt)
     if args.worker_measure:
@@ -1157,8 +1198,68 @@ def main() -> int:
 
     if not args.dry_run and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
+        if "t2i" in args.cases:
+            print(t2i.skipped_without_cuda(), file=sys.stderr)
         return 2
+    if args.budget is not None:
+        budget = args.budget
+    elif args.dry_run:
+        budget = ("unet" in args.cases) * DRY_RUN_BUDGET_S + ("t2i" in args.cases) * t2i.DRY_RUN_SECONDS
+    else:
+        budget = GPU_BUDGET_S
+    # The UNet check runs first, in its share; the t2i cases get the rest (and what the UNet left).
+    share = (t2i.DRY_RUN_SECONDS / (DRY_RUN_BUDGET_S + t2i.DRY_RUN_SECONDS)) if args.dry_run else t2i.T2I_SHARE
+    unet_budget = budget * (1 - share) if "t2i" in args.cases else budget
+    machine = machine_info(args.dry_run)
+    command = ".venv/bin/python bench/gpu_check.py " + " ".join(a if " " not in a else repr(a) for a in sys.argv[1:])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(THREAD_ENV if args.dry_run else {})}
+    t2i_settings = t2i_options(args, machine, command, env) if "t2i" in args.cases else None
+    if isinstance(t2i_settings, str):
+        print(t2i_settings, file=sys.stderr)
+        return 2
+    status = 0
+    if "unet" in args.cases:
+        status = unet_check(args, unet_budget, machine, command, env)
+        if status == 2:
+            return status
+    if t2i_settings is not None:
+        status |= t2i.run(sys.modules[__name__], t2i_settings, budget * RACE_SHARE)
+    log(f"the check took {elapsed():.0f}s of its {budget:.0f}s budget")
+    return status
 
+
+def t2i_options(args: argparse.Namespace, machine: dict[str, Any], command: str, env: dict[str, str]) -> Any:
+    """The t2i part's settings from the options, or the message of what is wrong with them."""
+    from oomguard.strategies import rungs
+    from oomguard.strategies.units import parse_size
+
+    names = [c.strip() for c in (args.t2i_cards or ",".join(t2i.DRY_RUN_CARDS if args.dry_run else GPU_CARDS)).split(",") if c.strip()]
+    cards = [Card(name, parse_size(name)) for name in names]
+    too_big = [c.name for c in cards if machine["gpu_total_bytes"] and c.nbytes > machine["gpu_total_bytes"]]
+    if too_big:
+        return f"t2i cards larger than the GPU ({fmt_bytes(machine['gpu_total_bytes'])}): {', '.join(too_big)}"
+    methods = args.t2i_methods or ",".join(t2i.DRY_RUN_METHODS if args.dry_run else t2i.METHODS)
+    unknown = [m for m in methods.split(",") if m.strip() and m.strip() not in t2i.METHODS]
+    if unknown:
+        return f"--t2i-methods: unknown {', '.join(unknown)}; choose from {', '.join(t2i.METHODS)}"
+    if args.t2i_allow == "all":
+        allow = list(rungs.names())
+    else:
+        allow = [a.strip() for a in args.t2i_allow.split(",")] if args.t2i_allow else list(rungs.exact_names())
+    return t2i.Settings(
+        dry_run=args.dry_run, cards=cards, methods=[m.strip() for m in methods.split(",") if m.strip()],
+        batch=args.t2i_batch or (t2i.DRY_RUN_BATCH if args.dry_run else t2i.BATCH),
+        steps=args.t2i_steps or (t2i.DRY_RUN_STEPS if args.dry_run else t2i.STEPS),
+        allow=allow, case_seconds=args.t2i_case_seconds, keep_workdirs=args.keep_workdirs, out=args.out,
+        stem="gpu-dry-run-t2i" if args.dry_run else "gpu-t2i", command=command, machine=machine, env=env,
+        unet_config={k: list(v) if isinstance(v, tuple) else v for k, v in SD15_UNET.items()},
+    )
+
+
+def unet_check(args: argparse.Namespace, budget: float, machine: dict[str, Any], command: str, env: dict[str, str]) -> int:
+    # Over 60 lines: the check's sequence, read top to bottom.
+    """The SD 1.5 UNet through oomguard's runner, the sweep and the oracle, within ``budget``
+    seconds from the check's start; writes gpu.md/json (gpu-dry-run.md/json); 1 on an error."""
     from oomguard.strategies.units import parse_size
     from oomguard.strategies import rungs
     from oomguard.strategies.plan import Plan
@@ -1167,23 +1268,19 @@ def main() -> int:
     model = "tiny" if args.dry_run else "sd15"
     args.batch = args.batch or (DRY_RUN_BATCH if args.dry_run else BATCH)
     args.steps = args.steps or (DRY_RUN_STEPS if args.dry_run else STEPS)
-    budget = args.budget or (DRY_RUN_BUDGET_S if args.dry_run else GPU_BUDGET_S)
     card_names = [c.strip() for c in (args.cards or ",".join(DRY_RUN_CARDS if args.dry_run else GPU_CARDS)).split(",") if c.strip()]
     cards = [Card(name, parse_size(name)) for name in card_names]
     allow = tuple(a.strip() for a in args.allow.split(",")) if args.allow else rungs.names()
     job = make_job(model, args.batch, args.steps, allow)
     start = job.initial_plan()
     reps = representative_micro_batches(start)
-    machine = machine_info(args.dry_run)
     if not args.dry_run:
         too_big = [c.name for c in cards if c.nbytes > machine["gpu_total_bytes"]]
         if too_big:
             print(f"cards larger than the GPU ({fmt_bytes(machine['gpu_total_bytes'])}): {', '.join(too_big)}", file=sys.stderr)
             return 2
     threads = 1 if args.dry_run else None
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(THREAD_ENV if args.dry_run else {})}
     stem = "gpu-dry-run" if args.dry_run else "gpu"
-    command = ".venv/bin/python bench/gpu_check.py " + " ".join(a if " " not in a else repr(a) for a in sys.argv[1:])
 
     where = machine["gpu"] or "the CPU (dry run: emulated device memory)"
     log(f"{MODELS[model]['label']}; batch {args.batch}; cards {', '.join(c.label for c in cards)} on {where}"

@@ -1,5 +1,8 @@
 """Device memory capacity: emulated on the CPU, or enforced on a real GPU.
 
+(Over 400 lines: one idea, the counting dispatch mode with the bookkeeping it needs to track,
+move and refuse storages; the runner's view of it is jobs/memory_cap.py.)
+
 The project is tested without a GPU, so training runs for real on the CPU and only the
 *capacity* of device memory is emulated. ``EmulatedDevice`` installs a
 ``TorchDispatchMode`` that sees every aten op (forward, backward, optimizer step,

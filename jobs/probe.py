@@ -113,7 +113,6 @@ def run_probe(
         if any(m.fits and shape_of(m.plan) == shape_of(plan) for m in measurements):
             return plan
         return min((p for p in candidates if shape_of(p) == shape_of(plan) and p not in failed), key=lambda p: p.micro_batch)
-
     last_oom: Outcome | None = None
     next_plan: Plan | None = cheapest_of_its_shape(start, set())
     calibrations: list[Plan] | None = None
@@ -151,15 +150,22 @@ def run_probe(
             return ProbeResult(safe.plan, tuple(measurements), f"probe: start at {safe.summary(capacity)}")
         else:
             next_plan = None
+    return _out_of_measurements(start, origin, candidates, measurements, capacity, last_oom)
+
+
+def _out_of_measurements(
+    start: Plan, origin: Plan, candidates: list[Plan], measurements: list[Measurement], capacity: int, last_oom: Outcome | None
+) -> ProbeResult:
+    """Where to start once the probe may measure no more: a plan the model says fits with its
+    margins, when it beats the fastest one measured (often a micro-batch of 1, measured to
+    learn a shape's line); else that fastest one; else the doctor decides."""
     fitting = [m for m in measurements if m.fits]
-    if fitting:
-        model = MemoryModel(measurements)
-        best = min(fitting, key=lambda m: planner.rank(model, origin, m.plan))
-        # Out of measurements: a plan the model says fits with its margins beats the fastest
-        # one measured (often a micro-batch of 1, measured to learn a shape's line).
-        failed = {m.plan for m in measurements if not m.fits}
-        safe = planner.choose(origin, [p for p in candidates if p not in failed], model, capacity)
-        if safe is not None and planner.rank(model, origin, safe.plan) < planner.rank(model, origin, best.plan):
-            return ProbeResult(safe.plan, tuple(measurements), f"probe: start at {safe.summary(capacity)} (out of measurements)")
-        return ProbeResult(best.plan, tuple(measurements), f"probe: start at [{best.plan.short()}], the fastest plan measured")
-    return ProbeResult(start, tuple(measurements), "probe: no plan measured fits; the doctor decides from the measurements", failure=last_oom)
+    if not fitting:
+        return ProbeResult(start, tuple(measurements), "probe: no plan measured fits; the doctor decides from the measurements", failure=last_oom)
+    model = MemoryModel(measurements)
+    best = min(fitting, key=lambda m: planner.rank(model, origin, m.plan))
+    failed = {m.plan for m in measurements if not m.fits}
+    safe = planner.choose(origin, [p for p in candidates if p not in failed], model, capacity)
+    if safe is not None and planner.rank(model, origin, safe.plan) < planner.rank(model, origin, best.plan):
+        return ProbeResult(safe.plan, tuple(measurements), f"probe: start at {safe.summary(capacity)} (out of measurements)")
+    return ProbeResult(best.plan, tuple(measurements), f"probe: start at [{best.plan.short()}], the fastest plan measured")

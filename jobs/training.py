@@ -23,7 +23,8 @@ from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.spec import JobSpec
 from oomguard.jobs.trainers.base import Trainer
 from oomguard.strategies import rungs
-from oomguard.strategies.memory_model import FROZEN_SIZE_PREFIX, Measurement
+from oomguard.strategies.memory_model import Measurement
+from oomguard.strategies.static_bytes import FROZEN_SIZE_PREFIX
 from oomguard.strategies.outcome import MemoryFigures
 from oomguard.strategies.plan import Plan
 

@@ -3,6 +3,10 @@
 Diagnose first (what ran out), then act: fragmentation -> the allocator rung; otherwise the
 cheapest allowed rung that gives a plan which has not already run out of memory. Every answer
 carries a reason in words, recorded as an event and shown to people.
+
+Over 400 lines on purpose: the decision after an OOM and the report that explains it read the
+same history and policy, and the typed answers, the OOM texts and the policy already live in
+their own modules (decision.py, oom_*.py, policy.py).
 """
 
 from __future__ import annotations

@@ -28,16 +28,13 @@ from typing import Any
 
 from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.rungs.base import MemoryTerms
+from oomguard.strategies.static_bytes import StaticBytes, first_given, frozen_sizes, full_parameter_bytes, static_bytes, terms_of
 
 # What each knob does to activations, time and the static consumers is its rung's
 # MemoryTerms (strategies/rungs/); this module only combines them.
 
 # With one timed micro-batch size, the share of its time assumed not to grow with its size.
 SINGLE_SIZE_FIXED_SHARE = 0.5
-# Bytes of optimizer state per byte of trainable parameters of the plain plan: AdamW keeps two
-# fp32 moments (a rung's terms may say otherwise).
-ADAMW_STATE_PER_PARAMETER_BYTE = 2.0
 
 # Predicted peaks must stay this far under the capacity: a line fitted to the shape itself
 # is good to a few percent; a prediction carried over from another shape is rougher.
@@ -109,11 +106,6 @@ def _without_process_knobs(plan: Plan) -> Plan:
     return _set_aside(plan, ("process",))
 
 
-def _terms(plan: Plan) -> list[MemoryTerms]:
-    """The memory terms of the rungs ``plan`` has on, in ladder order."""
-    return [terms for r in rungs.ladder() if (terms := r.memory(plan)) is not None]
-
-
 def _activation_factor(plan: Plan, observed: dict[str, float] | None = None) -> float:
     """The product of the activation factors of the rungs ``plan`` has on: a rung's factor as
     ``observed`` on this job's measurements where there is one, else as its terms say."""
@@ -142,85 +134,7 @@ def observed_activation_factors(lines: dict[Plan, Line]) -> dict[str, float]:
 
 
 def _time_factor(plan: Plan) -> float:
-    return math.prod(terms.time for terms in _terms(plan))
-
-
-@dataclass(frozen=True)
-class StaticBytes:
-    """The consumers that do not grow with the micro-batch, for one shape."""
-
-    parameters: float
-    gradients: float
-    optimizer_state: float
-    # Extra bytes a half-precision step keeps (autocast's low-precision weight copies).
-    casts: float = 0.0
-    # Frozen parts beside the trained model (a text-to-image job's VAE and text encoders).
-    frozen: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state + self.casts + self.frozen
-
-
-def _first(values: Iterable[float | None]) -> float | None:
-    return next((value for value in values if value is not None), None)
-
-
-def _full_parameter_bytes(shape: Plan, static: dict[str, int]) -> float | None:
-    """The bytes the whole model's parameters take in full precision, from what a run of
-    ``shape`` measured."""
-    parameters = static.get("parameters")
-    if parameters is None:
-        return None
-    terms = _terms(shape)
-    adapter_share = _first(t.adapter_share for t in terms)
-    share = 1.0
-    if adapter_share is not None:
-        base_share = _first(t.base_share for t in terms)
-        share = adapter_share + (base_share if base_share is not None else 1.0)
-    return parameters / share
-
-
-# A measurement's static bytes name each frozen part's full-precision size under this prefix
-# ("frozen_size_vae"), whether or not the part was on the device.
-FROZEN_SIZE_PREFIX = "frozen_size_"
-
-
-def frozen_sizes(static: dict[str, int]) -> dict[str, float]:
-    """The frozen parts' full-precision bytes a measurement's static bytes name, by part."""
-    return {key[len(FROZEN_SIZE_PREFIX):]: float(value) for key, value in static.items() if key.startswith(FROZEN_SIZE_PREFIX)}
-
-
-def frozen_on_device(shape: Plan, sizes: dict[str, float]) -> float:
-    """The bytes of the frozen parts ``shape`` keeps on the device: the parts no rung of it
-    drops, scaled by its rungs' frozen_scale."""
-    terms = _terms(shape)
-    dropped = {part for t in terms for part in t.frozen_dropped}
-    return sum(size for part, size in sizes.items() if part not in dropped) * math.prod(t.frozen_scale for t in terms)
-
-
-def static_bytes(shape: Plan, full_parameters: float, frozen: dict[str, float] | None = None, trained_share: float = 1.0) -> StaticBytes:
-    """What parameters, gradients, optimizer state and the frozen parts (``frozen``: each
-    part's full-precision bytes) of ``shape`` take on the device. ``trained_share``: the share
-    of the model's parameters the job itself trains (a text-to-image LoRA job's adapters:
-    a few per cent), when no rung froze them."""
-    terms = _terms(shape)
-    adapter_share = _first(t.adapter_share for t in terms)
-    if adapter_share is None:
-        # No rung froze anything, so nothing is quantized either.
-        parameters = full_parameters
-        trainable = full_parameters * trained_share
-    else:
-        trainable = full_parameters * adapter_share
-        base_share = _first(t.base_share for t in terms)
-        parameters = full_parameters * (base_share if base_share is not None else 1.0) + trainable
-    per_byte = _first(t.optimizer_bytes_per_byte for t in terms)
-    on_device = all(t.optimizer_on_device for t in terms)
-    optimizer = trainable * (per_byte if per_byte is not None else ADAMW_STATE_PER_PARAMETER_BYTE) if on_device else 0.0
-    casts = parameters * sum(t.cast_share for t in terms)
-    return StaticBytes(
-        parameters=parameters, gradients=trainable, optimizer_state=optimizer, casts=casts, frozen=frozen_on_device(shape, frozen or {})
-    )
+    return math.prod(terms.time for terms in terms_of(plan))
 
 
 @dataclass(frozen=True)
@@ -252,11 +166,11 @@ class MemoryModel:
         self._frozen_sizes: dict[str, float] = {}
         self._trained_share = 1.0
         for m in self.measurements:
-            full = _full_parameter_bytes(shape_of(m.plan), m.static)
+            full = full_parameter_bytes(shape_of(m.plan), m.static)
             if full is not None:
                 self._full_parameters = full
                 self._frozen_sizes = frozen_sizes(m.static)
-                if _first(t.adapter_share for t in _terms(m.plan)) is None and m.static.get("trainable") is not None and full > 0:
+                if first_given(t.adapter_share for t in terms_of(m.plan)) is None and m.static.get("trainable") is not None and full > 0:
                     self._trained_share = min(1.0, m.static["trainable"] / full)
         for shape in dict.fromkeys(shape_of(m.plan) for m in self.measurements):  # in measured order, not hash order
             line = self._fit(shape)

@@ -56,7 +56,7 @@ from oomguard.jobs.spec.unconditional import DataSpec, ModelSpec, parse_data, pa
 from oomguard.jobs.trainers import TRAINER_NAMES
 from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.policy import Policy
+from oomguard.strategies.policy import WHOLE_MODEL, Policy
 from oomguard.strategies.errors import JobFileError
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -116,7 +116,7 @@ class JobSpec:
         if isinstance(self.model, PipelineSpec):
             fixed_crops = isinstance(self.data, CaptionedDataSpec) and self.data.center_crop
             return frozenset({"frozen_parts", *(() if self.model.trains_adapters else ("full_model",)), *(("fixed_crops",) if fixed_crops else ())})
-        return frozenset({"full_model"})
+        return WHOLE_MODEL
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)

@@ -232,13 +232,14 @@ class TextToImageTrainer:
     def _cached_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         assert self.text_cache is not None
         rows = torch.stack([self.text_cache.get(str(self.caption_index[caption])) for caption in captions])
-        hidden_size = self.unet_cross_attention_dim
+        hidden_size = self._text_hidden_size
         tokens = self.frozen.tokenizers[0].model_max_length
         hidden = rows[:, : tokens * hidden_size].view(len(captions), tokens, hidden_size)
         return hidden, (rows[:, tokens * hidden_size:] if self.sdxl else None)
 
     @property
-    def unet_cross_attention_dim(self) -> int:
+    def _text_hidden_size(self) -> int:
+        """The width of a caption's embedding: both encoders' side by side for SDXL."""
         return sum(encoder.config.hidden_size for encoder in self.frozen.text_encoders) if self.sdxl else self.frozen.text_encoders[0].config.hidden_size
 
     def _geometry(self, index: int, flip: bool, corner: tuple[float, float] | None) -> Geometry:

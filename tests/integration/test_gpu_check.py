@@ -2,7 +2,9 @@
 
 The dry run is the same code as the GPU check (oomguard's runner with the conditional trainer,
 the doctor between attempts, the sweep and the oracle races) on a tiny UNet2DConditionModel
-under emulated device memory, so that a GPU session does not spend its minutes on a bug.
+under emulated device memory, then its text-to-image cases (bench/gpu_check_t2i.py: `oomguard
+run` on a tiny pipeline), so that a GPU session does not spend its minutes on a bug. What the
+dry run cannot reach (the SD 1.5-size pipeline, the full job) is checked here without training.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
 NO_CUDA = "no CUDA GPU found: bench/gpu_check.py measures real GPU memory; run it on a machine with an NVIDIA GPU"
+T2I_SKIPPED = "text-to-image cases (--cases t2i): skipped: "
 PLAN = re.compile(r"^mb=\d+x\d+( |$)")
 
 
@@ -45,23 +48,128 @@ def check_results(out: Path, stem: str, cards: int) -> dict[str, Any]:
     return data
 
 
+def no_crash(outcomes: list[dict[str, Any]]) -> None:
+    """A crashed attempt in a dry run is a bug of the check (a trainer that no longer fits the
+    runner's interface ended every attempt this way and the run still "passed")."""
+    assert all(o["kind"] != "crashed" for o in outcomes), [o.get("traceback_tail") or o.get("message") for o in outcomes]
+
+
+def check_t2i_results(out: Path, stem: str, cases: int) -> dict[str, Any]:
+    """Both files, one row per case in the markdown table."""
+    data = json.loads((out / f"{stem}.json").read_text())
+    markdown = (out / f"{stem}.md").read_text()
+    assert len(data["cases"]) == cases, data["skipped"] + data["errors"]
+    assert data["build"]["state"] == "built", data["build"]
+    for case in data["cases"]:
+        assert case["state"] in ("finished", "failed", "timed out"), case
+        assert case["ooms"] == case["ooms_in_probe"] + case["ooms_in_process"] + case["ooms_ending_attempts"]
+        rows = [line for line in markdown.splitlines() if line.startswith(f"| {case['method']} | {case['card']} | {case['state']} |")]
+        assert len(rows) == 1, markdown
+        no_crash(case["outcomes"])
+    assert not data["errors"], data["errors"]
+    assert data["machine"]["date"] in markdown and "bench/gpu_check.py" in data["command"]
+    return data
+
+
+def leftover_processes(workdir: str) -> list[str]:
+    """Command lines of live processes that name ``workdir`` (a case's runner or shim)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") if entry.name.isdigit() else ""
+        except OSError:
+            continue
+        if workdir in command:
+            found.append(command)
+    return found
+
+
 @pytest.mark.slow
-@pytest.mark.bench  # a minute of training: `make bench` runs it, `make test` does not
+@pytest.mark.bench  # a minute and a half of training: `make bench` runs it, `make test` does not
 @pytest.mark.timeout(300)
-def test_dry_run_writes_one_row_and_a_plan_per_emulated_card(tmp_path: Path) -> None:
+def test_dry_run_writes_one_row_and_a_plan_per_emulated_card_and_t2i_case(tmp_path: Path) -> None:
     result = run_check("--dry-run", "--out", str(tmp_path), timeout=240)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     data = check_results(tmp_path, "gpu-dry-run", cards=3)
     assert data["settings"]["dry_run"] and data["machine"]["gpu"] is None
     # A dry run never writes the GPU's results.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-dry-run.json", "gpu-dry-run.md"]
-    # Within its budget (55 s) and a little for the interpreter and writing the files.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-dry-run-t2i.json", "gpu-dry-run-t2i.md", "gpu-dry-run.json", "gpu-dry-run.md"]
+    # The UNet part within its share (55 s), and a little for the interpreter and writing the files.
     assert data["total_s"] < 60
     for card in data["cards"]:
         og = card["oomguard"]
+        no_crash(og["outcomes"])
         if og["state"] == "finished":
             assert og["samples_per_s"] and og["peak_allocated_bytes"] <= card["cap_bytes"]
             assert og["peak_reserved_bytes"] is None  # no caching allocator on the emulated device
+    t2i = check_t2i_results(tmp_path, "gpu-dry-run-t2i", cases=1)
+    # The t2i part: the rest of the 85 s budget.
+    assert t2i["total_s"] < 90
+    (case,) = t2i["cases"]
+    assert case["method"] == "lora" and case["exit_code"] is not None
+    if case["state"] == "finished":
+        assert PLAN.match(case["landed_plan"]) and case["samples_per_s"]
+        assert case["peak_allocated_bytes"] <= case["cap_bytes"]
+        assert case["device_used_bytes"] is None and "dry run" in case["device_sampling"]
+        # The emulated card is below the job's plain plan: the probe ran out of memory on the way.
+        assert case["ooms"] > 0 and case["landed_plan"] != "mb=8x1"
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+@pytest.mark.timeout(120)
+def test_a_t2i_case_past_its_deadline_is_killed_and_reported_as_timed_out(tmp_path: Path) -> None:
+    # Three seconds: less than an `oomguard run` takes to import its runner, on any machine.
+    result = run_check("--dry-run", "--cases", "t2i", "--t2i-case-seconds", "3", "--out", str(tmp_path), timeout=100)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-dry-run-t2i.json", "gpu-dry-run-t2i.md"]
+    data = check_t2i_results(tmp_path, "gpu-dry-run-t2i", cases=1)
+    (case,) = data["cases"]
+    assert case["state"] == "timed out" and case["exit_code"] is None
+    assert case["wall_s"] < 3 + 5
+    assert "stopped at the case's deadline" in result.stdout
+    # Nothing of the case lives on: not `oomguard run`, not its shim, not its runner.
+    assert leftover_processes(case["workdir"]) == []
+
+
+def test_the_sd15_pipeline_builder_writes_a_pipeline_the_job_files_accept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU's pipeline is built by the code the dry run does not run (the dry run takes
+    tests/pipelines.py's tiny one): here with SD 1.5's layout at a few channels, on the CPU,
+    checked by oomguard's own job-file check, with the job files of both methods."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+    import gpu_check_t2i as t2i
+
+    from oomguard.jobs.spec import load_job_file
+
+    # SD 1.5's sizes as they are published (the text encoder's vocabulary aside: see TOKENIZER_NOTE).
+    assert gpu_check.SD15_UNET["block_out_channels"] == (320, 640, 1280, 1280) and gpu_check.SD15_UNET["cross_attention_dim"] == 768
+    assert t2i.SD15_VAE["block_out_channels"] == [128, 256, 512, 512] and t2i.SD15_VAE["latent_channels"] == 4
+    assert {k: t2i.CLIP_L14_TEXT[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                                              "max_position_embeddings")} == {"hidden_size": 768, "num_hidden_layers": 12,
+                                                                              "num_attention_heads": 12, "intermediate_size": 3072,
+                                                                              "max_position_embeddings": 77}
+    small = {
+        "unet": {**gpu_check.SD15_UNET, "block_out_channels": [32, 32, 64, 64], "layers_per_block": 1, "cross_attention_dim": 32},
+        "vae": {**t2i.SD15_VAE, "block_out_channels": [32, 32, 64, 64], "layers_per_block": 1},
+        "text": {**t2i.CLIP_L14_TEXT, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 2,
+                 "projection_dim": 32},
+        "scheduler": t2i.SD15_SCHEDULER,
+    }
+    pipeline = t2i.sd_pipeline(small, "cpu")
+    assert pipeline.text_encoder.config.vocab_size == len(pipeline.tokenizer) < t2i.CLIP_L14_TEXT["vocab_size"]
+    pipeline.save_pretrained(str(tmp_path / "pipeline"))
+    parts = t2i.saved_parts(tmp_path / "pipeline")
+    assert set(parts) == {"unet", "vae", "text_encoder"}
+    assert parts["unet"]["parameters"] == sum(p.numel() for p in pipeline.unet.parameters())
+    built = {"pipeline": str(tmp_path / "pipeline"),
+             "images": str(t2i.write_images(tmp_path / "images", {"count": 2, "sizes": [[64, 80]], "resolution": 512}))}
+    settings = t2i.Settings(dry_run=False, cards=[], methods=list(t2i.METHODS), batch=8, steps=3, allow=["micro_batch", "cache_latents"],
+                            case_seconds=None, keep_workdirs=False, out=tmp_path, stem="gpu-t2i", command="", machine={}, env={})
+    for method in t2i.METHODS:
+        job = load_job_file(t2i.write_job(tmp_path, method, built, settings))
+        assert job.trainer == "text_to_image" and job.model.method == method and job.data.resolution == 512
+        assert job.train.max_steps == 4 and job.ladder.allow == ("micro_batch", "cache_latents")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without CUDA")
@@ -69,6 +177,8 @@ def test_without_cuda_and_without_dry_run_it_exits_2_and_says_why(tmp_path: Path
     result = run_check("--out", str(tmp_path), timeout=120)
     assert result.returncode == 2, result.stdout + result.stderr
     assert NO_CUDA in result.stderr
+    # The t2i cases say that they were skipped, and why.
+    assert T2I_SKIPPED in result.stderr and "no CUDA GPU here" in result.stderr
     assert not any(tmp_path.iterdir())
 
 
@@ -78,8 +188,22 @@ def test_without_cuda_and_without_dry_run_it_exits_2_and_says_why(tmp_path: Path
 @pytest.mark.timeout(400)
 def test_real_check_on_one_emulated_card(tmp_path: Path) -> None:
     """SD 1.5's UNet on a 24 GiB card of the GPU, in a short budget (the oracle may be cut)."""
-    result = run_check("--cards", "24GiB", "--budget", "200", "--out", str(tmp_path), timeout=360)
+    result = run_check("--cases", "unet", "--cards", "24GiB", "--budget", "200", "--out", str(tmp_path), timeout=360)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     data = check_results(tmp_path, "gpu", cards=1)
     assert data["machine"]["gpu"] == torch.cuda.get_device_name(0)
     assert data["machine"]["gpu"] in (tmp_path / "gpu.md").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(400)
+def test_real_t2i_check_of_a_lora_job_on_one_emulated_card(tmp_path: Path) -> None:
+    """The SD 1.5-size pipeline built on the GPU, one LoRA job through `oomguard run` on 24 GiB."""
+    result = run_check("--cases", "t2i", "--t2i-cards", "24GiB", "--t2i-methods", "lora", "--budget", "240", "--out", str(tmp_path), timeout=360)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    data = check_t2i_results(tmp_path, "gpu-t2i", cases=1)
+    (case,) = data["cases"]
+    assert case["state"] == "finished" and case["device_used_bytes"]
+    assert data["build"]["parts"]["unet"]["parameters"] > 800_000_000
