@@ -26,6 +26,7 @@ they count as parameters in the memory breakdown and checkpoints carry them.
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -258,15 +259,12 @@ def _with_weights(layer: nn.Module, quantized: QuantizedLayer) -> nn.Module:
 # -- the plain model for save_pretrained ------------------------------------------------------------
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The plain model's state dict, on the host: base and adapters merged, dequantized, keys as
-    the model had before ``apply_lora`` (for UNet2DModel exactly ``UNet2DModel.state_dict()``'s).
-
-    One layer at a time is merged on the device and moved to the host, so a run near its
-    memory limit can still write its final model.
-    """
+def merged_tensors(model: nn.Module, *, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The plain model's parameters (and persistent buffers), where they are, one at a time:
+    base and adapters merged, dequantized, keys as the model had before ``apply_lora`` (for
+    UNet2DModel exactly ``UNet2DModel.state_dict()``'s). A merged weight is a new tensor; every
+    other one is the model's own, detached."""
     layers = lora_layers(model)
-    result: dict[str, torch.Tensor] = {}
     skip: tuple[str, ...] = ()
     with torch.no_grad():
         for name, module in model.named_modules():
@@ -280,17 +278,24 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                     for adapter in layers[name].active_adapters:
                         if adapter in layers[name].lora_A:
                             weight += layers[name].get_delta_weight(adapter).to(weight.dtype)
-                result[prefix + "weight"] = weight.cpu()
+                yield prefix + "weight", weight
                 if base.bias is not None:
-                    result[prefix + "bias"] = base.bias.detach().to("cpu", copy=True)
+                    yield prefix + "bias", base.bias.detach()
                 skip = (*skip, prefix)
                 continue
             for key, value in module.named_parameters(recurse=False):
-                result[prefix + key] = value.detach().to("cpu", copy=True)
-            for key, value in module.named_buffers(recurse=False):
-                if key not in module._non_persistent_buffers_set:
-                    result[prefix + key] = value.detach().to("cpu", copy=True)
-    return result
+                yield prefix + key, value.detach()
+            if buffers:
+                for key, value in module.named_buffers(recurse=False):
+                    if key not in module._non_persistent_buffers_set:
+                        yield prefix + key, value.detach()
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``merged_tensors`` as a state dict on the host. One layer at a time is merged on the
+    device and moved to the host, so a run near its memory limit can still write its final
+    model."""
+    return {key: value.to("cpu", copy=True) for key, value in merged_tensors(model)}
 
 
 def merged_model(model: nn.Module) -> nn.Module:

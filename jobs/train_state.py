@@ -1,6 +1,6 @@
 """What a checkpoint holds, written and read so that any plan can resume any other plan's
 checkpoint: the model's weights by name (for a LoRA run: its frozen base in full precision
-and the adapters apart), the optimizer state in torch AdamW's format (every optimizer of
+and the adapters apart; with train.ema, the average of the trained weights), the optimizer state in torch AdamW's format (every optimizer of
 jobs.optimizers reads and writes it), the LR scheduler, the grad scaler and the RNG states.
 
 Every rung but LoRA loads everything. Taking LoRA changes what is trained: the adapters
@@ -23,6 +23,7 @@ from oomguard.strategies.plan import Plan
 
 MODEL = "model.safetensors"
 ADAPTERS = "adapters.safetensors"
+EMA = "ema.safetensors"
 OPTIMIZER = "optimizer.pt"
 SCHEDULER = "scheduler.pt"
 SCALER = "scaler.pt"
@@ -52,6 +53,8 @@ def save(
     save_file(_host(weights.base), str(directory / MODEL))
     if weights.adapters is not None:
         save_file(_host(weights.adapters), str(directory / ADAPTERS))
+    if weights.ema is not None:
+        save_file(_host(weights.ema), str(directory / EMA))
     torch.save({"kind": optimizer_kind(plan), "state": portable_state_dict(optimizer)}, directory / OPTIMIZER)
     torch.save(lr_scheduler.state_dict(), directory / SCHEDULER)
     if scaler is not None:
@@ -72,12 +75,13 @@ def load_weights(directory: Path, plan: Plan) -> ModelWeights:
     from safetensors.torch import load_file
 
     adapters = load_file(str(directory / ADAPTERS)) if (directory / ADAPTERS).exists() else None
-    return ModelWeights(base=load_file(str(directory / MODEL)), adapters=adapters, lora_rank=plan.lora_rank if adapters else None)
+    ema = load_file(str(directory / EMA)) if (directory / EMA).exists() else None
+    return ModelWeights(base=load_file(str(directory / MODEL)), adapters=adapters, lora_rank=plan.lora_rank if adapters else None, ema=ema)
 
 
 def finite(weights: ModelWeights) -> bool:
     """No NaN or inf in any weight (a run that diverged may have saved such a checkpoint)."""
-    tensors = [*weights.base.values(), *(weights.adapters or {}).values()]
+    tensors = [*weights.base.values(), *(weights.adapters or {}).values(), *(weights.ema or {}).values()]
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
 

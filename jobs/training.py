@@ -11,32 +11,35 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import nullcontext
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from oomguard.jobs.attempt import Control
+from oomguard.jobs.ema import EmaWeights
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.spec import JobSpec
 from oomguard.jobs.trainers.base import Trainer
 from oomguard.strategies import rungs
 from oomguard.strategies.memory_model import Measurement
-from oomguard.strategies.static_bytes import FROZEN_SIZE_PREFIX
+from oomguard.strategies.static_bytes import EMA_SIZE, FROZEN_SIZE_PREFIX
 from oomguard.strategies.outcome import MemoryFigures
 from oomguard.strategies.plan import Plan
 
 
 @dataclass(frozen=True)
 class ModelWeights:
-    """Weights to start from, on the host: the whole model's (``base``, the model's own keys)
-    and, for a LoRA run, the adapters' of rank ``lora_rank``."""
+    """Weights to start from, on the host: the whole model's (``base``, the model's own keys),
+    for a LoRA run the adapters' of rank ``lora_rank``, and the average of the trained weights
+    (``ema``, by the final model's names) of a job with train.ema."""
 
     base: dict[str, torch.Tensor]
     adapters: dict[str, torch.Tensor] | None = None
     lora_rank: int | None = None
+    ema: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -58,6 +61,8 @@ class Training:
     # each in full precision wherever it is (Trainer.frozen_sizes).
     frozen: Callable[[], list[torch.Tensor]] = list
     frozen_sizes: Callable[[], dict[str, int]] = dict
+    # The average of the trained weights (train.ema), updated after every optimizer step.
+    ema: EmaWeights | None = None
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -71,11 +76,13 @@ class Training:
             "gradients": [p.grad for p in self.model.parameters() if p.grad is not None],
             "optimizer_state": device_state_tensors(self.optimizer),
             "frozen": self.frozen(),
+            "ema": self.ema.device_tensors() if self.ema is not None else [],
         }
 
     def static_bytes(self) -> dict[str, int]:
-        """Bytes of parameters, trainable parameters, optimizer state and frozen parts on the
-        device (the memory model's static consumers)."""
+        """Bytes of parameters, trainable parameters, optimizer state, frozen parts and the EMA
+        on the device (the memory model's static consumers), and the sizes of the frozen parts
+        and the EMA wherever they are."""
 
         def total(tensors: list[torch.Tensor]) -> int:
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
@@ -88,27 +95,45 @@ class Training:
             "optimizer_state": total(device_state_tensors(self.optimizer)),
             "frozen": total(self.frozen()),
             **{f"{FROZEN_SIZE_PREFIX}{part}": size for part, size in self.frozen_sizes().items()},
+            **({"ema": total(self.ema.device_tensors()), EMA_SIZE: self.ema.nbytes()} if self.ema is not None else {}),
         }
 
     def resident_bytes(self) -> int:
         """What should stay on the device between steps: parameters, buffers, the optimizer's
-        device state and the frozen parts (gradients are dropped after every step)."""
+        device state, the frozen parts and the EMA (gradients are dropped after every step)."""
         tensors = [*self.model.parameters(), *self.model.buffers(), *device_state_tensors(self.optimizer), *self.frozen()]
+        if self.ema is not None:
+            tensors += self.ema.device_tensors()
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
     def weights(self) -> ModelWeights:
         """What a checkpoint keeps of the model."""
         from oomguard.jobs.adapters import adapter_state_dict
 
+        ema = self.ema.state_dict() if self.ema is not None else None
         if self.base_state is None:
-            return ModelWeights(base=self.model.state_dict())
-        return ModelWeights(base=self.base_state, adapters=adapter_state_dict(self.model), lora_rank=self.plan.lora_rank)
+            return ModelWeights(base=self.model.state_dict(), ema=ema)
+        return ModelWeights(base=self.base_state, adapters=adapter_state_dict(self.model), lora_rank=self.plan.lora_rank, ema=ema)
+
+    def trained_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The job's trained weights, by the final model's names, as the model computes with
+        them now, on the device: the trainable parameters; under a rung that froze the model's
+        own weights (lora, base_quantization), every weight with the adapters merged in."""
+        from oomguard.jobs.adapters import merged_tensors
+
+        if self.base_state is None:
+            return ((name, p.detach()) for name, p in self.model.named_parameters() if p.requires_grad)
+        return merged_tensors(self.model, buffers=False)
 
     def final_model(self) -> torch.nn.Module:
-        """The model to save_pretrained: a LoRA run's adapters merged into its base."""
+        """The model to save_pretrained: a LoRA run's adapters merged into its base; with
+        train.ema, the averaged weights (as diffusers' scripts save them)."""
         from oomguard.jobs.adapters import merged_model
 
-        return merged_model(self.model) if self.base_state is not None else self.model
+        model = merged_model(self.model) if self.base_state is not None else self.model
+        if self.ema is not None:
+            self.ema.copy_to(model)
+        return model
 
     def apply(self, plan: Plan) -> None:
         """Switch to ``plan``, which differs only in knobs a running process can change."""
@@ -155,7 +180,19 @@ def build_training(
     autocast_dtype = rungs.autocast_dtype(plan, device)
     # fp16 overflows where fp32 and bf16 do not: its gradients need a scaler.
     scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
-    return Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state, trainer.frozen_tensors, trainer.frozen_sizes)
+    training = Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state, trainer.frozen_tensors, trainer.frozen_sizes)
+    if job.train.ema:
+        training.ema = _start_ema(training, job.train.ema_decay, memory, weights.ema if weights is not None else None)
+    return training
+
+
+def _start_ema(training: Training, largest_decay: float, memory: DeviceMemory, saved: dict[str, torch.Tensor] | None) -> EmaWeights:
+    """The average where the plan keeps it: from a checkpoint's, or (fresh, or a checkpoint
+    written before the job averaged these weights) from the weights themselves."""
+    with memory.paused():
+        current = {name: weight.to("cpu", copy=True) for name, weight in training.trained_weights()}
+    start = saved if saved is not None and saved.keys() == current.keys() else current
+    return EmaWeights(start, largest_decay, training.device, rungs.ema_on_host(training.plan), memory)
 
 
 def _merge_adapters(trainer: Trainer, weights: ModelWeights) -> ModelWeights:
@@ -167,7 +204,7 @@ def _merge_adapters(trainer: Trainer, weights: ModelWeights) -> ModelWeights:
     model.load_state_dict(weights.base)
     apply_lora(model, weights.lora_rank)
     load_adapter_state_dict(model, weights.adapters)
-    return ModelWeights(base=merged_state_dict(model))
+    return ModelWeights(base=merged_state_dict(model), ema=weights.ema)
 
 
 def oom_measurement(plan: Plan, figures: MemoryFigures, training: Training | None, step: int) -> Measurement:
@@ -251,6 +288,9 @@ def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemo
         training.optimizer.step()
     training.lr_scheduler.step()
     training.optimizer.zero_grad(set_to_none=True)
+    if training.ema is not None:
+        # After the gradients are gone, as in diffusers' scripts; ``step`` counts from 0.
+        training.ema.update(training.trained_weights(), step + 1)
     if training.device.type == "cuda":
         torch.cuda.synchronize(training.device)
     return StepResult(loss=total, seconds=time.perf_counter() - started)

@@ -28,7 +28,7 @@ from typing import Any
 
 from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.static_bytes import StaticBytes, first_given, frozen_sizes, full_parameter_bytes, static_bytes, terms_of
+from oomguard.strategies.static_bytes import EMA_SIZE, StaticBytes, first_given, frozen_sizes, full_parameter_bytes, static_bytes, terms_of
 
 # What each knob does to activations, time and the static consumers is its rung's
 # MemoryTerms (strategies/rungs/); this module only combines them.
@@ -165,11 +165,13 @@ class MemoryModel:
         self._full_parameters: float | None = None
         self._frozen_sizes: dict[str, float] = {}
         self._trained_share = 1.0
+        self._ema_size = 0.0
         for m in self.measurements:
             full = full_parameter_bytes(shape_of(m.plan), m.static)
             if full is not None:
                 self._full_parameters = full
                 self._frozen_sizes = frozen_sizes(m.static)
+                self._ema_size = float(m.static.get(EMA_SIZE, 0))
                 if first_given(t.adapter_share for t in terms_of(m.plan)) is None and m.static.get("trainable") is not None and full > 0:
                     self._trained_share = min(1.0, m.static["trainable"] / full)
         for shape in dict.fromkeys(shape_of(m.plan) for m in self.measurements):  # in measured order, not hash order
@@ -183,7 +185,7 @@ class MemoryModel:
     def _static(self, shape: Plan) -> StaticBytes | None:
         if self._full_parameters is None:
             return None
-        return static_bytes(shape, self._full_parameters, self._frozen_sizes, self._trained_share)
+        return static_bytes(shape, self._full_parameters, self._frozen_sizes, self._trained_share, self._ema_size)
 
     def _fit(self, shape: Plan) -> Line | None:
         runs = [m for m in self.measurements if m.fits and shape_of(m.plan) == shape]

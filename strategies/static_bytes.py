@@ -1,5 +1,5 @@
 """The static consumers of device memory for one shape of plan: parameters, gradients,
-optimizer state, autocast's casts and the frozen parts, from what the rungs that are on do to
+optimizer state, autocast's casts, the frozen parts and the average of the trained weights, from what the rungs that are on do to
 them (their MemoryTerms) and what a run measured. The memory model (memory_model.py) adds the
 activations, which grow with the micro-batch.
 """
@@ -35,10 +35,12 @@ class StaticBytes:
     casts: float = 0.0
     # Frozen parts beside the trained model (a text-to-image job's VAE and text encoders).
     frozen: float = 0.0
+    # The average of the trained weights (train.ema), when it is on the device.
+    ema: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.parameters + self.gradients + self.optimizer_state + self.casts + self.frozen
+        return self.parameters + self.gradients + self.optimizer_state + self.casts + self.frozen + self.ema
 
 
 def first_given(values: Iterable[float | None]) -> float | None:
@@ -70,6 +72,11 @@ def frozen_sizes(static: dict[str, int]) -> dict[str, float]:
     return {key[len(FROZEN_SIZE_PREFIX):]: float(value) for key, value in static.items() if key.startswith(FROZEN_SIZE_PREFIX)}
 
 
+# A measurement's static bytes name the size of the average of the trained weights (train.ema)
+# under this key, wherever the average was.
+EMA_SIZE = "ema_size"
+
+
 def frozen_on_device(shape: Plan, sizes: dict[str, float]) -> float:
     """The bytes of the frozen parts ``shape`` keeps on the device: the parts no rung of it
     drops, scaled by its rungs' frozen_scale."""
@@ -78,11 +85,14 @@ def frozen_on_device(shape: Plan, sizes: dict[str, float]) -> float:
     return sum(size for part, size in sizes.items() if part not in dropped) * math.prod(t.frozen_scale for t in terms)
 
 
-def static_bytes(shape: Plan, full_parameters: float, frozen: dict[str, float] | None = None, trained_share: float = 1.0) -> StaticBytes:
-    """What parameters, gradients, optimizer state and the frozen parts (``frozen``: each
-    part's full-precision bytes) of ``shape`` take on the device. ``trained_share``: the share
-    of the model's parameters the job itself trains (a text-to-image LoRA job's adapters:
-    a few per cent), when no rung froze them."""
+def static_bytes(
+    shape: Plan, full_parameters: float, frozen: dict[str, float] | None = None, trained_share: float = 1.0, ema: float = 0.0
+) -> StaticBytes:
+    """What parameters, gradients, optimizer state, the frozen parts (``frozen``: each part's
+    full-precision bytes) and the average of the trained weights (``ema``: its bytes) of
+    ``shape`` take on the device. ``trained_share``: the share of the model's parameters the
+    job itself trains (a text-to-image LoRA job's adapters: a few per cent), when no rung froze
+    them. The average is of the job's own trained weights, whatever a rung trains instead."""
     terms = terms_of(shape)
     adapter_share = first_given(t.adapter_share for t in terms)
     if adapter_share is None:
@@ -98,5 +108,10 @@ def static_bytes(shape: Plan, full_parameters: float, frozen: dict[str, float] |
     optimizer = trainable * (per_byte if per_byte is not None else ADAMW_STATE_PER_PARAMETER_BYTE) if on_device else 0.0
     casts = parameters * sum(t.cast_share for t in terms)
     return StaticBytes(
-        parameters=parameters, gradients=trainable, optimizer_state=optimizer, casts=casts, frozen=frozen_on_device(shape, frozen or {})
+        parameters=parameters,
+        gradients=trainable,
+        optimizer_state=optimizer,
+        casts=casts,
+        frozen=frozen_on_device(shape, frozen or {}),
+        ema=ema if all(t.ema_on_device for t in terms) else 0.0,
     )

@@ -28,6 +28,8 @@ LR_SCHEDULERS: tuple[str, ...] = ("constant_with_warmup", "constant", "linear", 
 # at 16384 on 2 cores, and a batch of 10**12 would never end. Larger batches are refused at
 # submit time rather than stalling the daemon.
 MAX_BATCH_SIZE = 4096
+# diffusers' EMAModel's default decay, which its training scripts keep.
+DEFAULT_EMA_DECAY = 0.9999
 # A seed must fit torch.manual_seed (0 .. 2**64 - 1).
 _MAX_SEED = 2**64 - 1
 
@@ -54,6 +56,10 @@ class TrainSpec:
     # one random value per latent channel added to the noise) and Min-SNR loss weighting.
     noise_offset: float = 0.0
     snr_gamma: float | None = None
+    # An exponential moving average of the trained weights, saved as the final model (what
+    # diffusers' scripts do with --use_ema); ``ema_decay`` is its largest decay (jobs/ema.py).
+    ema: bool = False
+    ema_decay: float = DEFAULT_EMA_DECAY
 
     def __post_init__(self) -> None:
         if self.checkpoint_every_steps is None:
@@ -62,11 +68,15 @@ class TrainSpec:
             object.__setattr__(self, "learning_rate", float(self.learning_rate))
         object.__setattr__(self, "weight_decay", float(self.weight_decay))
         object.__setattr__(self, "noise_offset", float(self.noise_offset))
+        object.__setattr__(self, "ema_decay", float(self.ema_decay))
         if self.checkpoint_every_seconds is not None:
             object.__setattr__(self, "checkpoint_every_seconds", float(self.checkpoint_every_seconds))
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if not self.ema:
+            del data["ema_decay"]  # a job file may name it only with ema = true
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainSpec:
@@ -164,6 +174,10 @@ def parse_train(s: Section) -> TrainSpec:
     # Only a text-to-image job's table may hold these (keys.py): elsewhere they are unknown keys.
     noise_offset = s.number("noise_offset", ge=0.0, lt=1.0, default=0.0)
     snr_gamma = s.number("snr_gamma", gt=0.0, default=None)
+    ema = s.bool("ema", default=False)
+    ema_decay = s.number("ema_decay", gt=0.0, lt=1.0, default=None)
+    if ema_decay is not None and not ema:
+        raise s.fail("ema_decay", "is set but train.ema is not: add `ema = true` to [train], or drop ema_decay")
     if micro_batch is not None and micro_batch > batch_size:
         raise s.fail(
             "micro_batch", f"expected an integer in 1..{batch_size} (at most train.batch_size), found {micro_batch}"
@@ -184,6 +198,8 @@ def parse_train(s: Section) -> TrainSpec:
         lr_scheduler=lr_scheduler,
         noise_offset=noise_offset,
         snr_gamma=snr_gamma,
+        ema=ema,
+        ema_decay=ema_decay if ema_decay is not None else DEFAULT_EMA_DECAY,
     )
 
 

@@ -112,11 +112,15 @@ class JobSpec:
 
     def features(self) -> frozenset[str]:
         """What the job offers rungs (Rung.needs): a job that trains LoRA adapters already has
-        no whole model to turn into LoRA; only a text-to-image job has frozen encoders."""
+        no whole model to turn into LoRA; only a text-to-image job has frozen encoders; only a
+        job with train.ema keeps an average of its weights ("ema")."""
+        ema = ("ema",) if self.train.ema else ()
         if isinstance(self.model, PipelineSpec):
             fixed_crops = isinstance(self.data, CaptionedDataSpec) and self.data.center_crop
-            return frozenset({"frozen_parts", *(() if self.model.trains_adapters else ("full_model",)), *(("fixed_crops",) if fixed_crops else ())})
-        return WHOLE_MODEL
+            return frozenset({
+                "frozen_parts", *(() if self.model.trains_adapters else ("full_model",)), *(("fixed_crops",) if fixed_crops else ()), *ema
+            })
+        return WHOLE_MODEL | frozenset(ema)
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)

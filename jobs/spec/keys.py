@@ -58,6 +58,8 @@ _TRAIN_KEYS = (
     "weight_decay",
     "micro_batch",
     "lr_scheduler",
+    "ema",
+    "ema_decay",
 )
 _LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe")
 _RESOURCES_KEYS = ("gpus", "share", "memory")
@@ -137,7 +139,7 @@ SPECIAL_HINTS: dict[str, str] = {
 # [train] keys of the built-in trainer only: a command's script decides these itself.
 SCRIPT_OWNED_TRAIN_KEYS = (
     "learning_rate", "seed", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "lr_warmup_steps",
-    "num_train_timesteps", "weight_decay", "lr_scheduler",
+    "num_train_timesteps", "weight_decay", "lr_scheduler", "ema", "ema_decay",
 )
 
 # What a command job may not have, by table: each is refused with its own reason (job.py).

@@ -197,6 +197,8 @@ class Section:
             return value
         if ge is not None and lt is not None:
             want = f"a number in [{ge:g}, {lt:g})"
+        elif gt is not None and lt is not None:
+            want = f"a number in ({gt:g}, {lt:g})"
         elif gt is not None:
             want = f"a number > {gt:g}"
         elif ge is not None:

@@ -21,6 +21,7 @@ from oomguard.strategies.rungs import (
     cache_latents,
     cache_text,
     checkpointing,
+    ema_offload,
     frozen_half,
     lora,
     micro_batch,
@@ -43,6 +44,7 @@ _LADDER: tuple[Rung, ...] = (
     checkpointing.RUNG,
     attention.RUNG,
     vae_slicing.RUNG,
+    ema_offload.RUNG,
     offload_frozen.RUNG,
     offload.RUNG,
     vae_tiling.RUNG,
@@ -143,6 +145,11 @@ def autocast_dtype(plan: Plan, device: Any) -> Any:
         if dtype is not None:
             return dtype
     return None
+
+
+def ema_on_host(plan: Plan) -> bool:
+    """Whether the average of the trained weights (train.ema) lives in host memory under ``plan``."""
+    return any(r.ema_on_host(plan) for r in _LADDER)
 
 
 def frozen_handling(plan: Plan) -> FrozenHandling:

@@ -27,7 +27,7 @@ from oomguard.strategies.plan import Plan
 Role = Literal["shape", "batch", "process"]
 
 # The consumers of an OOM's breakdown a rung can shrink (strategies/outcome.py MemoryFigures).
-Consumer = Literal["activations", "gradients", "optimizer_state", "parameters", "frozen"]
+Consumer = Literal["activations", "gradients", "optimizer_state", "parameters", "frozen", "ema"]
 # The frozen parts a text-to-image job keeps beside its UNet, as the memory model counts them.
 FrozenPart = Literal["vae", "text"]
 
@@ -44,7 +44,8 @@ class MemoryTerms:
     adapters are trained, this share of the full model's parameters, over a frozen base;
     ``base_share``: bytes kept per byte of that frozen base (only with adapters: nothing else is
     frozen). ``optimizer_bytes_per_byte``: optimizer state per byte of trained parameters;
-    ``optimizer_on_device`` False: that state lives in host memory. ``cast_share``: extra bytes
+    ``optimizer_on_device`` False: that state lives in host memory; ``ema_on_device`` False:
+    so does the average of the trained weights (train.ema). ``cast_share``: extra bytes
     per parameter byte a step keeps (autocast's low-precision copies). ``frozen_dropped``: frozen
     parts no longer kept on the device between steps; ``frozen_scale``: bytes kept per byte of
     the frozen parts that stay (16-bit copies of fp32 weights: 0.5).
@@ -56,6 +57,7 @@ class MemoryTerms:
     base_share: float | None = None
     optimizer_bytes_per_byte: float | None = None
     optimizer_on_device: bool = True
+    ema_on_device: bool = True
     cast_share: float = 0.0
     frozen_dropped: frozenset[FrozenPart] = frozenset()
     frozen_scale: float = 1.0
@@ -154,6 +156,10 @@ def _frozen_unchanged(plan: Plan, handling: FrozenHandling) -> FrozenHandling:
     return handling
 
 
+def _ema_beside_weights(plan: Plan) -> bool:
+    return False
+
+
 def _no_memory_terms(plan: Plan) -> MemoryTerms | None:
     return None
 
@@ -215,6 +221,8 @@ class Rung:
     autocast_dtype: Callable[[Plan, Any], Any] = _no_autocast
     # What it does to the frozen parts of a trainer that has some (FrozenHandling).
     frozen: Callable[[Plan, FrozenHandling], FrozenHandling] = _frozen_unchanged
+    # True: the average of the trained weights (train.ema) lives and is updated in host memory.
+    ema_on_host: Callable[[Plan], bool] = _ema_beside_weights
     # None: a command job never takes it.
     command: CommandSide | None = None
     # Taken only once every chained rung before it on the ladder (of those allowed) is taken:
@@ -226,7 +234,8 @@ class Rung:
     # trains the whole model, so LoRA and a quantized base are a change it can make),
     # "frozen_parts" (the job has frozen encoders on the device: VAE, text encoders),
     # "fixed_crops" (each image always becomes the same sample, up to a flip: its latents can
-    # be computed once). Empty: every job.
+    # be computed once), "ema" (the job keeps an average of its trained weights). Empty: every
+    # job.
     needs: frozenset[str] = frozenset()
 
     def get(self, plan: Plan) -> Any:
