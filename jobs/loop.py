@@ -118,7 +118,8 @@ class AttemptRun:
         print(text, flush=True)
 
     def _device_tensors(self) -> dict[str, list[torch.Tensor]]:
-        return self.training.device_tensors() if self.training is not None else {}
+        # Before a Training exists (the probe, a plan being built) the frozen parts are there.
+        return self.training.device_tensors() if self.training is not None else {"frozen": self.trainer.frozen_tensors()}
 
     def current_plan(self) -> Plan:
         return self.training.plan if self.training is not None else self.plan

@@ -299,6 +299,9 @@ def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], pol
         diagnosis += "; the model and its state do not fit before training starts"
     capacity = memory.total if memory is not None else None
     if capacity:
+        # A plan measured out of memory at this capacity or more (by the probe) is failed too:
+        # the model's knowing that it does not fit says nothing about the plans never measured.
+        failed |= {m.plan for m in measurements_of(history) if not m.fits and (m.capacity is None or m.capacity >= capacity)}
         decision = _plan_by_numbers(outcome, plan, history, policy, capacity, failed, diagnosis)
         if decision is not None:
             return decision

@@ -872,3 +872,20 @@ def test_a_plan_that_may_fit_only_without_the_full_margin_is_tried_before_giving
     # It fails at most once: then the job gives up.
     history = [PastAttempt(start, outcome), PastAttempt(decision.plan, outcome)]
     assert isinstance(decide(outcome, decision.plan, history, Policy(allow=("micro_batch",), initial=start)), GiveUp)
+
+
+def test_plans_the_probe_saw_run_out_in_setup_are_no_numbers_for_the_others():
+    """The probe measured four plans, each out of memory while it was being built (the frozen
+    parts and the model do not fit): no static bytes, so the model knows nothing of a plan
+    that takes the frozen parts off the device. The doctor walks on to such a rung (it
+    gave up with "no plan fits, even with every rung" before)."""
+    start = Plan.initial(8)
+    t2i = frozenset({"frozen_parts", "full_model", "fixed_crops"})
+    policy = Policy(allow=usable_by(t2i, exact_names()), usable=usable_by(t2i), initial=start)
+    probed = [start.replace(micro_batch=1), start.replace(micro_batch=1, gradient_checkpointing=True), start.replace(micro_batch=1, attention="sliced")]
+    setup = oom(step=0, phase="setup", requested=2048, allocated=920 * 1024, reserved=920 * 1024, total=921 * 1024, breakdown={"frozen": 700 * 1024, "activations": 220 * 1024})
+    measured = tuple(Measurement(plan=p, fits=False, peak_bytes=922 * 1024, capacity=921 * 1024) for p in probed)
+    outcome = dataclasses.replace(setup, measurements=measured)
+    decision = decide(outcome, start, [PastAttempt(start, outcome)], policy)
+    assert isinstance(decision, NextPlan), decision
+    assert decision.rung == "cache_text" and "do not fit before training starts" in decision.reason
