@@ -112,7 +112,7 @@ class Training:
 
         ema = self.ema.state_dict() if self.ema is not None else None
         if self.base_state is None:
-            return ModelWeights(base=self.model.state_dict(), ema=ema)
+            return ModelWeights(base=trained_state(self.model), ema=ema)
         return ModelWeights(base=self.base_state, adapters=adapter_state_dict(self.model), lora_rank=self.plan.lora_rank, ema=ema)
 
     def trained_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -160,7 +160,7 @@ def build_training(
         if weights is not None:
             if weights.adapters is not None and weights.lora_rank != plan.lora_rank:
                 weights = _merge_adapters(trainer, weights)
-            model.load_state_dict(weights.base)
+            load_trained_state(model, weights.base)
         own_weights = {name: tensor.detach() for name, tensor in model.state_dict().items()}
         if rungs.adapt_model(plan, model, job.train.seed):
             # Only adapters train: checkpoints keep the frozen base apart, as it was built.
@@ -193,6 +193,27 @@ def _start_ema(training: Training, largest_decay: float, memory: DeviceMemory, s
         current = {name: weight.to("cpu", copy=True) for name, weight in training.trained_weights()}
     start = saved if saved is not None and saved.keys() == current.keys() else current
     return EmaWeights(start, largest_decay, training.device, rungs.ema_on_host(training.plan), memory)
+
+
+def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict without the weights the job froze (a text-to-image LoRA job's
+    UNet: the trainer builds it from the pipeline folder every time, so a checkpoint holds only
+    the adapters, not a copy of the whole UNet)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return {name: value for name, value in model.state_dict().items() if name not in frozen}
+
+
+def load_trained_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load ``trained_state``'s output into a freshly built model, whose frozen weights are the
+    ones the state left out."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    result = model.load_state_dict(state, strict=False)
+    missing = [name for name in result.missing_keys if name not in frozen]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"the checkpoint does not match the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]} "
+            "(was the job's model changed under its workdir? submit it with a new workdir)"
+        )
 
 
 def _merge_adapters(trainer: Trainer, weights: ModelWeights) -> ModelWeights:
