@@ -27,8 +27,11 @@ from oomguard.strategies.plan import Plan
 from oomguard.strategies.units import format_mib
 
 # Plans measured at most; each costs two steps of a fresh model. Up to three of them may be
-# calibrations (calibration_plans).
-MAX_PROBED_PLANS = 8
+# calibrations (calibration_plans). A text-to-image job's shapes (the frozen-part chain, the
+# EMA's place) take more: at 8, the probe ran out on micro-batch-1 steps of shapes it had to
+# trust first and started at a plan 0.47-0.64 of the fastest (bench/results/ladder-t2i.md,
+# 2026-12-03 18:20); each plan is one model build and two steps, once per job.
+MAX_PROBED_PLANS = 16
 
 
 @dataclass(frozen=True)
