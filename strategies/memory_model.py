@@ -161,7 +161,7 @@ class MemoryModel:
         # What line() and the speed lines work out for a shape, kept: the planner asks for
         # every micro-batch of every shape, and the model does not change once built.
         self._carried: dict[Plan, Line | None] = {}
-        self._speed_lines: dict[Plan, tuple[tuple[float, float], float] | None] = {}
+        self._speed_lines: dict[tuple[Plan, bool], tuple[tuple[float, float], float] | None] = {}
         self._full_parameters: float | None = None
         self._frozen_sizes: dict[str, float] = {}
         self._trained_share = 1.0
@@ -290,38 +290,47 @@ class MemoryModel:
 
     # -- speed --------------------------------------------------------------------------
 
-    def expected_samples_per_s(self, plan: Plan) -> float | None:
+    def expected_samples_per_s(self, plan: Plan, *, optimistic: bool = False) -> float | None:
         """From the step-time line of the plan's shape (so that one noisy timing cannot make
         more slices look faster than fewer), else from the closest timed shape's line and
-        what the knobs cost."""
-        shape = shape_of(plan)
-        if shape not in self._speed_lines:
-            self._speed_lines[shape] = self._speed_line(shape)
-        if self._speed_lines[shape] is None:
+        what the knobs cost. ``optimistic``: the faster of the two readings of a shape timed
+        at one size only (the probe's question before it measures a second size)."""
+        key = (shape_of(plan), optimistic)
+        if key not in self._speed_lines:
+            self._speed_lines[key] = self._speed_line(*key)
+        if self._speed_lines[key] is None:
             return None
-        (per_micro, per_sample), scale = self._speed_lines[shape]
+        (per_micro, per_sample), scale = self._speed_lines[key]
         seconds = (plan.grad_accum * per_micro + plan.per_rank_batch * per_sample) * scale
         return plan.per_rank_batch / seconds if seconds > 0 else None
 
-    def _speed_line(self, shape: Plan) -> tuple[tuple[float, float], float] | None:
+    def _speed_line(self, shape: Plan, optimistic: bool) -> tuple[tuple[float, float], float] | None:
         """Seconds per micro-batch and per sample of ``shape``, and the factor to scale them by."""
         timed = [m for m in self.measurements if m.fits and m.samples_per_s]
         if not timed:
             return None
-        line = self._time_line_of(shape, timed)
+        line = self._time_line_of(shape, timed, optimistic)
         if line is not None:
             return line, 1.0
         # Among shapes as near, the first measured (a set's order follows Plan hashes, which
         # differ between processes: two daemons would borrow different shapes).
         reference = min(dict.fromkeys(shape_of(m.plan) for m in timed), key=lambda other: _distance(other, shape))
-        line = self._time_line_of(reference, timed)
+        line = self._time_line_of(reference, timed, optimistic)
         assert line is not None
         return line, _time_factor(shape) / _time_factor(reference)
 
-    def _time_line_of(self, shape: Plan, timed: list[Measurement]) -> tuple[float, float] | None:
+    def _time_line_of(self, shape: Plan, timed: list[Measurement], optimistic: bool) -> tuple[float, float] | None:
         """Seconds per micro-batch and per sample of ``shape``. With one timed size, the
         split between the two is borrowed from a shape timed at two sizes (the same model
-        spends its time alike), else guessed."""
+        spends its time alike), else guessed.
+
+        Borrowed, the split is scaled by how much slower (or faster) the shape's one timing
+        is. Whether a rung's cost grows with the samples is what one size cannot tell: on a
+        small model, gradient checkpointing's recomputation is mostly launches (a fixed cost
+        per micro-batch), and scaling it into the per-sample time ranked micro-batch 8 with
+        checkpointing at 0.54 of what it ran (bench/results/ladder-t2i.md). ``optimistic``
+        also reads the difference as fixed cost (the reference's per-sample time kept) and
+        takes whichever reading is faster at large sizes."""
         own = [m for m in timed if shape_of(m.plan) == shape]
         if not own:
             return None
@@ -336,7 +345,11 @@ class MemoryModel:
         seconds = min(m.plan.per_rank_batch / m.samples_per_s for m in own if m.samples_per_s) / own[0].plan.grad_accum
         predicted = per_micro + per_sample * size
         k = seconds / predicted if predicted > 0 else 1.0
-        return per_micro * k, per_sample * k
+        scaled = (per_micro * k, per_sample * k)
+        fixed_cost = seconds - per_sample * size
+        if optimistic and fixed_cost > 0 and per_sample < scaled[1]:
+            return fixed_cost, per_sample
+        return scaled
 
 
 def _time_line(runs: Sequence[Measurement]) -> tuple[float, float]:

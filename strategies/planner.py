@@ -90,9 +90,10 @@ def faithfulness(start: Plan, plan: Plan) -> int:
     return 1 + max(approximate) if approximate else 0
 
 
-def rank(model: MemoryModel, start: Plan, plan: Plan) -> tuple[float, ...]:
-    """Sort key of plans that fit: smaller is better."""
-    speed = model.expected_samples_per_s(plan)
+def rank(model: MemoryModel, start: Plan, plan: Plan, *, optimistic: bool = False) -> tuple[float, ...]:
+    """Sort key of plans that fit: smaller is better. ``optimistic``: with the speed the
+    plan could have (MemoryModel.expected_samples_per_s)."""
+    speed = model.expected_samples_per_s(plan, optimistic=optimistic)
     peak = model.predicted_peak(plan)
     # Without timings, fewer micro-batches are faster. Between plans equally fast (e.g.
     # micro-batch 8 and 9 of 16 both take two slices), the lower peak keeps more margin.
@@ -112,18 +113,20 @@ def choose(
     capacity: int,
     *,
     optimistic: bool = False,
+    optimistic_speed: bool = False,
 ) -> Choice | None:
     """The most faithful, then fastest, candidate the model says fits; None if none does
-    (or the model knows too little to say). ``optimistic``: could fit at all (the probe's
-    question before it measures a plan)."""
+    (or the model knows too little to say). ``optimistic``: could fit at all;
+    ``optimistic_speed``: ranked at the speed it could have (the probe's questions before
+    it measures a plan; an attempt is ranked at the speed expected)."""
     fitting = [plan for plan in candidates if model.fits(plan, capacity, optimistic=optimistic)]
     if not fitting:
         return None
 
-    best = min(fitting, key=lambda plan: rank(model, start, plan))
+    best = min(fitting, key=lambda plan: rank(model, start, plan, optimistic=optimistic_speed))
     return Choice(
         plan=best,
         rungs=rungs_between(start, best),
         predicted_peak=model.predicted_peak(best),
-        expected_samples_per_s=model.expected_samples_per_s(best),
+        expected_samples_per_s=model.expected_samples_per_s(best, optimistic=optimistic_speed),
     )

@@ -262,6 +262,31 @@ def test_a_shape_timed_at_one_size_borrows_the_split_of_a_shape_timed_at_two():
     assert model.expected_samples_per_s(checkpointed.replace(micro_batch=16)) == pytest.approx(expected, rel=1e-6)
 
 
+def test_the_optimistic_speed_of_a_shape_timed_once_reads_its_extra_time_as_fixed_cost():
+    # Checkpointing on a small model: its recomputation is launches, a fixed 0.05 s per
+    # micro-batch, so it is far slower at micro-batch 1 and nearly as fast at 16.
+    base = [timed(1, per_micro=0.05, per_sample=0.01), timed(4, per_micro=0.05, per_sample=0.01)]
+    checkpointed = BASE.replace(micro_batch=1, gradient_checkpointing=True)
+    ckpt_one = ran(checkpointed, samples_per_s=BATCH / step_time(1, per_micro=0.1, per_sample=0.01))
+    model = MemoryModel([*base, ckpt_one])
+    whole = checkpointed.replace(micro_batch=16)
+    scaled = BATCH / step_time(16, per_micro=0.05, per_sample=0.01, factor=0.11 / 0.06)
+    assert model.expected_samples_per_s(whole) == pytest.approx(scaled, rel=1e-6)
+    assert model.expected_samples_per_s(whole, optimistic=True) == pytest.approx(BATCH / step_time(16, per_micro=0.1, per_sample=0.01), rel=1e-6)
+    # The probe's hopeful choice among plans not measured: micro-batch 16 with checkpointing,
+    # which the expected speed ranks below micro-batch 4 without it (measured).
+    not_ran = [p for p in planner.candidate_plans(BASE, ("micro_batch", "checkpointing")) if p not in {m.plan for m in model.measurements}]
+    hopeful = planner.choose(BASE, [p for p in not_ran if p.gradient_checkpointing], model, 1000 * MiB, optimistic=True, optimistic_speed=True)
+    assert hopeful is not None and hopeful.plan == whole
+    four = BASE.replace(micro_batch=4)
+    assert planner.rank(model, BASE, whole) > planner.rank(model, BASE, four)
+    assert planner.rank(model, BASE, whole, optimistic=True) < planner.rank(model, BASE, four)
+    # A shape that is faster per sample than its reference keeps the scaled reading.
+    quick = ran(checkpointed, samples_per_s=BATCH / step_time(1, per_micro=0.05, per_sample=0.01, factor=0.5))
+    quick_model = MemoryModel([*base, quick])
+    assert quick_model.expected_samples_per_s(whole, optimistic=True) == pytest.approx(quick_model.expected_samples_per_s(whole), rel=1e-9)
+
+
 def one_size(plan: Plan, peak_bytes: int, static: dict[str, int]) -> Measurement:
     return Measurement(plan=plan, fits=True, peak_bytes=peak_bytes, capacity=1024 * MiB, samples_per_s=10.0, static=static)
 
