@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test test-fast bench faults install clean
+.PHONY: demo test test-fast slurm-tools bench faults install clean
 
 install: $(STAMP)
 
@@ -43,8 +43,29 @@ demo: $(STAMP)
 # file's tests stay in one worker (they share module fixtures: a daemon, a corpus). One torch
 # thread per process: workers' runners with a thread per core each fought over the cores.
 TEST_WORKERS ?= 3
-test: $(STAMP)
+test: $(STAMP) slurm-tools
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not bench" -n $(TEST_WORKERS) --dist loadfile
+
+# The Slurm backend's end-to-end tests start a throwaway cluster (tests/slurm_cluster.py) with
+# Debian's slurm-wlm and munge: installed here when missing and make runs as root (about 20 s).
+# Otherwise, or when apt-get fails, a line says so and those tests skip with the reason. apt may
+# start a system munged (on /run/munge); the tests' clusters use their own socket, ports and key.
+SLURM_TOOLS := sbatch squeue scontrol scancel sinfo slurmctld slurmd munged mungekey
+slurm-tools:
+	@missing=$$(for t in $(SLURM_TOOLS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$t >/dev/null || echo $$t; done); \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" != 0 ]; then \
+	    echo "Slurm tests will skip: missing" $$missing "(as root, make installs slurm-wlm and munge)"; \
+	elif ! command -v apt-get >/dev/null; then \
+	    echo "Slurm tests will skip: missing" $$missing "and no apt-get to install slurm-wlm and munge"; \
+	else \
+	    echo "installing slurm-wlm and munge (missing:" $$missing")"; \
+	    if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; then \
+	        echo "installed $$(dpkg-query -W -f '$${Package} $${Version}' slurm-wlm) and munge"; \
+	    else \
+	        echo "Slurm tests will skip: apt-get could not install slurm-wlm and munge"; \
+	    fi; \
+	fi
 
 # The unit layer alone: no process started, no sleep (tests/unit/conftest.py refuses both).
 test-fast: $(STAMP)

@@ -4,6 +4,7 @@ its Outcome read by daemon/conclude.py. Its files are opened as its owner's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pwd
@@ -18,7 +19,7 @@ from oomguard.daemon.clock import Clock
 from oomguard.daemon.conclude import conclude, ended_summary
 from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.job_secrets import with_env
-from oomguard.daemon.launch import Exit, Handle, Launcher, LaunchRequest
+from oomguard.daemon.launch import Exit, Handle, Launcher, LaunchRequest, QueueState, Resources
 from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.placement import Placement
@@ -56,7 +57,7 @@ class Running:
 
 def handle_of(attempt: AttemptRow) -> Handle:
     """The launcher's handle of an attempt, from its row."""
-    return Handle(attempt.directory, attempt.pid, attempt.pid_started)
+    return Handle(attempt.directory, attempt.pid, attempt.pid_started, attempt.scheduler_id)
 
 
 def owner_uid(job: JobRow) -> int:
@@ -115,6 +116,11 @@ class Attempts:
         False when it could not start (the job has ended, saying why)."""
         gpus = placement.gpus
         spec = self.jobs.spec(job)
+        if job.checkpoint_every_seconds is not None and spec.command is None:
+            # A time limit passed without a checkpoint: the doctor asked for them more often.
+            spec = spec.replace(train=dataclasses.replace(spec.train, checkpoint_every_seconds=min(
+                job.checkpoint_every_seconds, spec.train.checkpoint_every_seconds or job.checkpoint_every_seconds,
+            )))
         plan = job.plan
         number = len(self.store.attempts(job.id)) + 1
         # Absolute: the shim starts in / (a --state-dir given as a relative path makes relative workdirs).
@@ -129,6 +135,7 @@ class Attempts:
             # Only the job's first attempt measures: later ones have the history. A command
             # job's script does not measure for us.
             probe=spec.ladder.probe and number == 1 and spec.command is None,
+            recover_in_process=spec.ladder.in_process,
         )
         try:
             owner = owner_of(job)
@@ -163,9 +170,17 @@ class Attempts:
             cwd = spec.command.cwd
             env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
             env.update(placement.device.environment())
+        wanted = spec.resources
         request = LaunchRequest(
             attempt_dir=attempt_dir, argv=tuple(runner), env=env, owner=owner, workdir=workdir, cwd=cwd,
             stdin=json.dumps(config.to_dict(), indent=2).encode(), gpus=gpus,
+            resources=Resources(
+                gpus=wanted.gpus, gpu_type=wanted.gpu_type, host_memory=job.host_memory or wanted.host_memory, cpus=wanted.cpus,
+                time_limit=wanted.time_limit,
+            ),
+            label=f"oomguard-{job.id}-{number}",
+            # The built-in runner checkpoints on SIGUSR1; a script's own handling of it is not known.
+            checkpoints_on_usr1=spec.command is None,
         )
         return self._launch(job, attempt_id, number, request, plan)
 
@@ -184,14 +199,17 @@ class Attempts:
                     code="spawn_failed", data={"attempt": number},
                 )
             return False
-        self.store.update_attempt(attempt_id, pid=handle.pid, pid_started=handle.started)
+        self.store.update_attempt(attempt_id, pid=handle.pid, pid_started=handle.started, scheduler_id=handle.scheduler_id)
         self.running[attempt_id] = Running(attempt_id, job.id, handle)
         # Which checkpoint it resumes from is the runner's to find (it verifies the files; the
         # daemon neither hashes gigabytes in its loop nor reads through a user's folder).
         where = f" on GPU {','.join(str(i) for i in gpus)}" if gpus is not None else ""
+        started = "started"
+        if handle.scheduler_id is not None:
+            started, where = "submitted", f" to Slurm as job {handle.scheduler_id}"
         self.events.event(
-            job, "started", f"attempt {number} started{where} as {owner.name} with plan [{plan.short()}]", code="started",
-            data={"attempt": number, "gpus": list(gpus) if gpus is not None else None, "plan": plan.short()},
+            job, "started", f"attempt {number} {started}{where} as {owner.name} with plan [{plan.short()}]", code="started",
+            data={"attempt": number, "gpus": list(gpus) if gpus is not None else None, "plan": plan.short(), "scheduler_id": handle.scheduler_id},
         )
         return True
 
@@ -233,9 +251,10 @@ class Attempts:
         attempt recorded just before its shim was started (found by its command line), and a
         job left "running" without an attempt (queued again)."""
         for attempt in self.store.running_attempts():
-            handle = self.launcher.adopt(attempt.directory, attempt.pid, attempt.pid_started)
-            if attempt.pid is None and handle.pid is not None:
-                self.store.update_attempt(attempt.id, pid=handle.pid, pid_started=handle.started)
+            recorded = handle_of(attempt)
+            handle = self.launcher.adopt(recorded, owner_uid(self.store.job(attempt.job_id)))
+            if handle != recorded:
+                self.store.update_attempt(attempt.id, pid=handle.pid, pid_started=handle.started, scheduler_id=handle.scheduler_id)
             self.running[attempt.id] = Running(attempt.id, attempt.job_id, handle)
         open_jobs = {attempt.job_id for attempt in self.store.running_attempts()}
         for job in self.store.running_jobs():
@@ -260,15 +279,37 @@ class Attempts:
     def _reap_one(self, attempt_id: int, running: Running) -> None:
         attempt = self.store.attempt(attempt_id)
         if self.launcher.running(running.handle):
+            queued = self._note_queue_state(attempt, running.handle)
             self._enforce_stop_deadline(attempt)
             self._report_live_recoveries(attempt)
-            self._check_stalled(attempt)
+            if queued is None or queued.state == "RUNNING":  # waiting in a cluster's queue is not a stall
+                self._check_stalled(attempt)
             return
         del self.running[attempt_id]
         uid = owner_uid(self.store.job(attempt.job_id))
         with self.files_of(attempt) as files:
             ended = self.launcher.collect(running.handle, uid, files)
         self._finish_attempt(attempt, ended)
+
+    def _note_queue_state(self, attempt: AttemptRow, handle: Handle) -> QueueState | None:
+        """Where a batch scheduler has the attempt (status shows it), and an event each time
+        the scheduler requeued it itself (a node failure, a preemption: the same attempt goes
+        on from its checkpoint when it runs again)."""
+        queued = self.launcher.queue_state(handle)
+        if queued is None:
+            return None
+        known = (attempt.scheduler_state, attempt.scheduler_reason, attempt.scheduler_restarts or 0)
+        if (queued.state, queued.reason, queued.restarts) == known:
+            return queued
+        self.store.update_attempt(attempt.id, scheduler_state=queued.state, scheduler_reason=queued.reason, scheduler_restarts=queued.restarts)
+        if queued.restarts > known[2]:
+            job = self.store.job(attempt.job_id)
+            self.events.event(
+                job, "requeued", f"Slurm requeued attempt {attempt.number} (job {handle.scheduler_id}, restart {queued.restarts}); it goes on "
+                "from its checkpoint when it runs again", code="scheduler_requeued",
+                data={"attempt": attempt.number, "scheduler_id": handle.scheduler_id, "restarts": queued.restarts},
+            )
+        return queued
 
     def _check_stalled(self, attempt: AttemptRow) -> None:
         with self.files_of(attempt) as files:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from oomguard.daemon.cluster_outcome import with_scheduler_end
 from oomguard.daemon.launch import Exit
 from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.jobs.attempt import LOG, OUTCOME, AttemptFiles, attempt_files
@@ -28,10 +29,16 @@ def conclude(
     job: JobRow, attempt: AttemptRow, files: AttemptFiles, ended: Exit, restarted_since: Callable[[float], bool],
 ) -> Outcome:
     """How the attempt ended: its runner's report (outcome.json) when it wrote one, else what
-    its shim recorded and its log shows. ``restarted_since``: did the machine restart after a
+    its shim recorded and its log shows, and how a batch scheduler ended it
+    (daemon/cluster_outcome.py). ``restarted_since``: did the machine restart after a
     moment (the launcher's answer), stopping whatever ran then."""
     outcome = _reported(job, files, ended)
-    if outcome is None and not ended.recorded and (attempt.pid is None or attempt.term_sent_at or restarted_since(attempt.started_at)):
+    if outcome is not None and outcome.kind == "cancelled":
+        outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
+    if ended.scheduler is not None and ended.scheduler.state is not None:
+        outcome = with_scheduler_end(attempt, files, ended.scheduler, outcome)
+    never_started = attempt.pid is None and attempt.scheduler_id is None
+    if outcome is None and not ended.recorded and (never_started or attempt.term_sent_at or restarted_since(attempt.started_at)):
         # Never started (the daemon died first), killed after it was asked to stop, or the
         # machine restarted under it: not the job's fault, and no crash retry is used up.
         outcome = Outcome(kind="interrupted", message="stopped without a report (never started, asked to stop, or the machine restarted)")
@@ -41,8 +48,6 @@ def conclude(
             outcome = Outcome(kind="crashed", message=f"the attempt ended, but {files.problem}")
         else:
             outcome = outcome_without_report(files, ended.returncode, ended.failed_process, ended.oom_kills, plan)
-    if outcome.kind == "cancelled":
-        outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
     return outcome
 
 
@@ -72,7 +77,7 @@ def ended_summary(attempt: AttemptRow, outcome: Outcome) -> str:
     summary = f"attempt {attempt.number} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
     if outcome.kind == "oom" and outcome.phase:
         summary += f" in {outcome.phase}"
-    elif outcome.kind in ("crashed", "host_oom", "diverged") and outcome.summary:
+    elif outcome.kind in ("crashed", "host_oom", "diverged", "time_limit", "cancelled") and outcome.summary:
         summary += f": {outcome.summary}"
     return summary
 

@@ -117,10 +117,17 @@ class Lifecycle:
         self._move(job.id, State.QUEUED, next_rung=None, next_reason=reason, waiting=waiting, wait_free_bytes=free_bytes)
         self.events.event(job, "contention", reason, code="contention", data={"free_bytes": free_bytes})
 
-    def retry(self, job: JobRow, reason: str, waiting: str | None, *, after_seconds: float) -> None:
-        """Queued again, the same plan (a transient crash); ``waiting`` says for how long it pauses."""
-        self._move(job.id, State.QUEUED, next_rung=None, next_reason=reason, waiting=waiting)
-        self.events.event(job, "retry", reason, code="retry", data={"after_seconds": after_seconds})
+    def retry(self, job: JobRow, decision: Retry, waiting: str | None) -> None:
+        """Queued again, the same plan (a transient crash, a time limit); ``waiting`` says for how
+        long it pauses. What the next attempts ask of a cluster is kept with the job."""
+        asked = {
+            name: value for name, value in (("host_memory", decision.host_memory), ("checkpoint_every_seconds", decision.checkpoint_every_seconds))
+            if value is not None
+        }
+        self._move(job.id, State.QUEUED, next_rung=None, next_reason=decision.reason, waiting=waiting, **asked)
+        self.events.event(
+            job, "retry", decision.reason, code="retry", data={"after_seconds": decision.after_seconds, **asked},
+        )
 
     def keep_plan(self, job: JobRow, plan: Plan) -> None:
         """The plan the job's last attempt ended under (a probe or an in-process recovery moved it)."""
@@ -179,6 +186,13 @@ class Lifecycle:
         if job.cancel_requested:
             self.end(job, State.CANCELLED, f"cancelled at step {outcome.step} (checkpoint kept in {job.workdir})", code="cancelled_running", data={"step": outcome.step})
             return None
+        if outcome.kind == "cancelled":
+            # Cancelled where the attempt ran (scancel), not through oomguard: the job ends too.
+            self.end(
+                job, State.CANCELLED, f"{outcome.message}; checkpoint at step {outcome.step} kept in {job.workdir}", code="cancelled_outside",
+                data={"step": outcome.step}, next_step=f"nothing: the job has ended; submit it again to go on from its checkpoint in {job.workdir}",
+            )
+            return None
         if outcome.kind == "interrupted" and stopping:
             self.requeue(job, f"stopped with the daemon at step {outcome.step}; it resumes when the daemon starts again", code="daemon_stopped", data={"step": outcome.step})
             return None
@@ -202,7 +216,7 @@ class Lifecycle:
             if decision.after_seconds > 0:
                 ended = f"{outcome.kind}: {outcome.summary}" if outcome.summary else outcome.kind
                 waiting = f"retrying {decision.after_seconds:.0f} s after the attempt ended ({ended})"
-            self.retry(job, decision.reason, waiting, after_seconds=decision.after_seconds)
+            self.retry(job, decision, waiting)
         elif isinstance(decision, GiveUp):
             self.end(
                 job, State.FAILED, decision.reason, report=decision.report,

@@ -1,4 +1,4 @@
-"""The attempt shim: ``python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] -- COMMAND...``.
+"""The attempt shim: ``python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] -- COMMAND...``.
 
 The daemon starts one per attempt, in a session of its own and (in system mode) as the job's
 owner. The shim enters the job's workdir (--workdir), writes the attempt's configuration
@@ -32,6 +32,11 @@ Signals: the daemon signals the whole process group (shim and command); the shim
 signal on to the attempt's processes outside its group. The shim itself outlives
 SIGTERM/SIGINT/SIGHUP so that it can record the command's exit; it uses a handler rather than
 SIG_IGN because an ignored signal would stay ignored in the command it execs.
+
+On a Slurm cluster the shim is the batch shell (daemon/launch/slurm.py), which Slurm sends
+SIGUSR1 before the job's time limit: with --pass-usr1 (a command that checkpoints on it, the
+built-in runner) it is passed on to every process of the attempt; otherwise it is only
+recorded (SIGUSR1's default would end the command, and the shim, without a checkpoint).
 """
 
 from __future__ import annotations
@@ -63,17 +68,24 @@ POLL_SECONDS = 0.2
 # How long the attempt's processes have between SIGTERM and SIGKILL once one rank has failed
 # (or the command has ended with processes left over).
 TEARDOWN_GRACE_SECONDS = 3.0
+# SIGUSR1 (a cluster's time limit is near) is passed on again this often until the command ends.
+USR1_AGAIN_SECONDS = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
 
 
 def _arguments(args: list[str]) -> tuple[Path, dict[str, str], list[str]] | None:
-    """ATTEMPT_DIR [--workdir DIR] [--cwd DIR] -- COMMAND...: the folder, the options given
-    ({"--workdir": DIR, "--cwd": DIR}) and the command (None: bad usage)."""
+    """ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] -- COMMAND...: the folder, the
+    options given ({"--workdir": DIR, "--cwd": DIR, "--pass-usr1": ""}) and the command (None:
+    bad usage)."""
     if not args:
         return None
     options: dict[str, str] = {}
     at = 1
-    while at + 1 < len(args) and args[at] in ("--workdir", "--cwd") and args[at] not in options:
+    while at + 1 < len(args) and args[at] in ("--workdir", "--cwd", "--pass-usr1") and args[at] not in options:
+        if args[at] == "--pass-usr1":
+            options[args[at]] = ""
+            at += 1
+            continue
         options[args[at]] = args[at + 1]
         at += 2
     if len(args) < at + 2 or args[at] != "--":
@@ -112,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parsed = _arguments(args)
     if parsed is None:
-        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] -- COMMAND [ARG...]", file=sys.stderr)
+        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     attempt_dir, options, command = parsed
     config = sys.stdin.read()
@@ -125,15 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     def ours() -> set[int]:
         return processes.of_attempt(os.getpid(), args[0])
 
-    received = _pass_signals_on(ours)
+    received = _pass_signals_on(ours, pass_usr1="--pass-usr1" in options)
     environment = {**os.environ, processes.ATTEMPT_DIR_ENV: args[0]}
     with (attempt_dir / LOG).open("ab") as log:
         oom_kills_before = kernel_oom.kills()
-        child = _start(command, options.get("--cwd"), environment, attempt_dir, log)
+        pass_usr1 = "--pass-usr1" in options
+        child = _start(command, options.get("--cwd"), environment, attempt_dir, log, pass_usr1=pass_usr1)
         if child is None:
             return 127
         status: dict[str, Any] = {}
-        returncode = _wait(child, attempt_dir, ours, log, status)
+        again = (lambda: _pass_usr1_again(ours, received, status)) if pass_usr1 else (lambda: None)
+        returncode = _wait(child, attempt_dir, ours, log, status, again)
         left_over = processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
         oom_kills = kernel_oom.kills_between(oom_kills_before, kernel_oom.kills())
         if left_over:
@@ -143,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _pass_signals_on(ours: Callable[[], set[int]]) -> list[str]:
+def _pass_signals_on(ours: Callable[[], set[int]], *, pass_usr1: bool) -> list[str]:
     """Outlive SIGTERM/SIGINT/SIGHUP, passing each on to the attempt's processes outside our
-    group; returns the list of the names of those received (it fills as they come)."""
+    group, and SIGUSR1, passing it on to all of them when ``pass_usr1``; returns the list of
+    the names of those received (it fills as they come)."""
     received: list[str] = []
 
     def note(signum: int, frame: object) -> None:
@@ -154,17 +169,45 @@ def _pass_signals_on(ours: Callable[[], set[int]]) -> list[str]:
         group = os.getpgrp()
         processes.send({pid for pid in ours() if _group_of(pid) not in (group, None)}, signum)
 
+    def time_limit_near(signum: int, frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        if pass_usr1:  # only the shim was signalled (--signal=B:)
+            processes.send(ours(), signum)
+
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, note)
+    signal.signal(signal.SIGUSR1, time_limit_near)
     return received
 
 
-def _start(command: list[str], cwd: str | None, environment: dict[str, str], attempt_dir: Path, log: IO[bytes]) -> subprocess.Popen[bytes] | None:
+def _pass_usr1_again(ours: Callable[[], set[int]], received: list[str], status: dict[str, Any]) -> None:
+    """SIGUSR1 passed on again every USR1_AGAIN_SECONDS until the command ends: Slurm may send
+    it early, before the runner has its handler (the command starts with SIGUSR1 ignored, so
+    that one that comes too soon is not its death); a second one changes nothing."""
+    if "SIGUSR1" not in received:
+        return
+    now = time.monotonic()
+    if now - status.setdefault("usr1_again_at", now) >= USR1_AGAIN_SECONDS:
+        status["usr1_again_at"] = now
+        processes.send(ours(), signal.SIGUSR1)
+
+
+def _ignore_usr1_and_prefer_me() -> None:
+    """The command's start (before it execs): SIGUSR1 ignored until it installs its own
+    handler, and the kernel's first choice under host memory pressure."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    kernel_oom.prefer_me()
+
+
+def _start(
+    command: list[str], cwd: str | None, environment: dict[str, str], attempt_dir: Path, log: IO[bytes], *, pass_usr1: bool,
+) -> subprocess.Popen[bytes] | None:
     """The command, started with its output going to the log; None when it cannot start (said
     in the log, and recorded in exit.json with return code 127)."""
     try:
         return subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment, preexec_fn=kernel_oom.prefer_me,
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment,
+            preexec_fn=_ignore_usr1_and_prefer_me if pass_usr1 else kernel_oom.prefer_me,
             cwd=cwd,
         )
     except OSError as error:
@@ -197,13 +240,16 @@ def _record_exit(
     )
 
 
-def _wait(child: subprocess.Popen[bytes], attempt_dir: Path, ours: Any, log: IO[bytes], status: dict[str, Any]) -> int:
+def _wait(
+    child: subprocess.Popen[bytes], attempt_dir: Path, ours: Any, log: IO[bytes], status: dict[str, Any], every_poll: Callable[[], None],
+) -> int:
     """Wait for the command; the first failed rank's mark brings the whole attempt down."""
     while True:
         try:
             return child.wait(timeout=POLL_SECONDS)
         except subprocess.TimeoutExpired:
             pass
+        every_poll()
         if "torn_down_at" in status:
             continue
         marks = oomguard_ranks.recorded(str(attempt_dir))

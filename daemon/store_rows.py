@@ -66,6 +66,10 @@ class JobRow:
     waiting: str | None  # why a queued job is not running now (shown in status)
     wait_free_bytes: int | None  # contention: free memory to wait for per GPU
     waiting_since: float | None
+    # Asked of a cluster for the next attempts by the doctor (None: the job file's or the
+    # daemon config's): host memory in bytes, and how often the runner checkpoints.
+    host_memory: int | None = None
+    checkpoint_every_seconds: float | None = None
 
     @classmethod
     def from_stored(cls, row: dict[str, Any]) -> JobRow:
@@ -121,6 +125,12 @@ class AttemptRow:
     gpus: tuple[int, ...] | None  # the GPUs it was placed on (None: placed by no GPU)
     pid_started: int | None  # its shim's start time (processes.start_ticks)
     stalled_at: float | None
+    # Submitted to a batch scheduler (Slurm): its job id there, the state and reason it last
+    # had, and how often the scheduler requeued it itself (None: not submitted to one).
+    scheduler_id: str | None = None
+    scheduler_state: str | None = None
+    scheduler_reason: str | None = None
+    scheduler_restarts: int | None = None
 
     @classmethod
     def from_stored(cls, row: dict[str, Any]) -> AttemptRow:

@@ -112,6 +112,22 @@ def _add_event_codes(db: sqlite_utils.Database) -> None:
     db["events"].add_column("data", str)
 
 
+@MIGRATIONS(name="add_cluster")
+def _add_cluster(db: sqlite_utils.Database) -> None:
+    # An attempt submitted to a batch scheduler (daemon/launch/slurm.py): its job id there,
+    # the state and reason it last had (status shows them for a pending attempt) and how
+    # often the scheduler requeued it itself.
+    db["attempts"].add_column("scheduler_id", str)
+    db["attempts"].add_column("scheduler_state", str)
+    db["attempts"].add_column("scheduler_reason", str)
+    db["attempts"].add_column("scheduler_restarts", int)
+    # What the doctor asked of the cluster for the job's next attempts (None: the job file's
+    # or the daemon config's): host memory after a host OOM at its limit, a checkpoint
+    # interval after a time limit passed without a checkpoint.
+    db["jobs"].add_column("host_memory", int)
+    db["jobs"].add_column("checkpoint_every_seconds", float)
+
+
 # The migrations of the oomguard that counted them in user_version alone (0.x): a database it
 # made at user_version n has the first n of MIGRATIONS applied, under no recorded name.
 UNNAMED_MIGRATIONS = ("create_tables", "add_recoveries_reported", "add_lab_box")

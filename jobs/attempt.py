@@ -299,7 +299,9 @@ def attempt_files(folder: Path | AttemptFiles) -> AttemptFiles:
 
 @dataclass
 class Control:
-    """Shared between the training loop and the runner's SIGTERM handler."""
+    """Shared between the training loop and the runner's SIGTERM and SIGUSR1 handlers."""
 
     stop_requested: bool = False
+    # The stop is for a batch scheduler's time limit (SIGUSR1), received at this time.monotonic().
+    time_limit_signal_at: float | None = None
     phase: Phase = "setup"

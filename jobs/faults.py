@@ -7,6 +7,10 @@ process trains under reduced precision (the plan's mixed_precision is not "no"),
 becomes NaN, as when half precision overflows and the optimizer writes inf back: the next
 step's loss is NaN, and a checkpoint written at that step holds NaN weights.
 
+``OOMGUARD_INJECT_FAULT=slow_steps@SECONDS``: every optimizer step takes SECONDS longer (a
+sleep), so that a test of a cluster's time limit knows how long its training takes however
+busy the machine is.
+
 The runner (jobs/run.py) asks ``injected_fault()`` once at start and, only when the variable
 is set, hands the fault to the training loop as its after-step hook: the hook runs after the
 step is counted and before it is reported or checkpointed.
@@ -15,12 +19,15 @@ step is counted and before it is reported or checkpointed.
 from __future__ import annotations
 
 import os
+import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 INJECT_FAULT_ENV = "OOMGUARD_INJECT_FAULT"
 NAN_UNDER_REDUCED_PRECISION = "nan_under_reduced_precision"
+SLOW_STEPS = "slow_steps"
 
 
 @dataclass
@@ -42,9 +49,21 @@ class NanUnderReducedPrecision:
                 next(iter(training.model.parameters())).fill_(float("nan"))
 
 
-def injected_fault(env: Mapping[str, str] = os.environ) -> NanUnderReducedPrecision | None:
+@dataclass
+class SlowSteps:
+    """Sleeps ``seconds`` after every step."""
+
+    seconds: float
+
+    def __call__(self, training: Any, step: int) -> None:
+        time.sleep(self.seconds)
+
+
+def injected_fault(env: Mapping[str, str] = os.environ) -> NanUnderReducedPrecision | SlowSteps | None:
     """The fault $OOMGUARD_INJECT_FAULT asks for, as an after-step hook; None when it asks for none."""
     name, _, at = env.get(INJECT_FAULT_ENV, "").partition("@")
-    if name != NAN_UNDER_REDUCED_PRECISION or not at.isdigit():
-        return None
-    return NanUnderReducedPrecision(int(at))
+    if name == NAN_UNDER_REDUCED_PRECISION and at.isdigit():
+        return NanUnderReducedPrecision(int(at))
+    if name == SLOW_STEPS and re.fullmatch(r"\d+(\.\d+)?", at):
+        return SlowSteps(float(at))
+    return None

@@ -187,6 +187,17 @@ class AttemptRun:
 
     # -- the steps ---------------------------------------------------------------------------
 
+    def _stopped_on_request(self) -> Outcome:
+        """Stopped by SIGTERM, or by SIGUSR1 before a cluster's time limit, after a checkpoint."""
+        signalled_at = self.control.time_limit_signal_at
+        if signalled_at is None:
+            return Outcome(kind="interrupted", step=self.progress.step, message="stopped on request (SIGTERM) after a checkpoint")
+        return Outcome(
+            kind="time_limit", step=self.progress.step,
+            message=f"the cluster's time limit is near (SIGUSR1): stopped at step {self.progress.step} after a checkpoint, "
+            f"{time.monotonic() - signalled_at:.1f} s after the signal",
+        )
+
     def run_steps(self, metrics: IO[str]) -> Outcome | None:
         """Train to the job's max_steps (None) or to the Outcome that ends the attempt first."""
         self.last_checkpoint_time = time.monotonic()
@@ -196,7 +207,7 @@ class AttemptRun:
                 # Nothing to keep before the first step: the next attempt starts over.
                 if self._has_unsaved_steps():
                     self.save_checkpoint()
-                return Outcome(kind="interrupted", step=self.progress.step, message="stopped on request (SIGTERM) after a checkpoint")
+                return self._stopped_on_request()
             result = self._step()
             if isinstance(result, Outcome):
                 if self._recover_in_process(result):
@@ -372,7 +383,10 @@ def _report(
     # The heartbeat is a small file rewritten at most once a second (and on the last step).
     # It carries the rungs the runner took so far, which the daemon reports while it runs.
     if now - progress.last_heartbeat >= 1.0 or progress.step == max_steps:
-        write_json_atomic(attempt_dir / HEARTBEAT, {**record, "recoveries": recoveries})
+        # Where its checkpoints stand, for a daemon that finds it killed without a report (a
+        # cluster's time limit): did it checkpoint at all since it resumed?
+        checkpoints = {"last_checkpoint": progress.last_checkpoint, "resumed_from": progress.resumed_from}
+        write_json_atomic(attempt_dir / HEARTBEAT, {**record, "recoveries": recoveries, **checkpoints})
         progress.last_heartbeat = now
         print(f"step {progress.step}/{max_steps} loss {loss:.5f} {samples_per_s:.1f} samples/s", flush=True)
 

@@ -5,6 +5,8 @@ writing ``outcome.json`` and exiting with one of the codes in strategies/outcome
 
     0  finished          3  out of device memory     75  stopped by SIGTERM after a checkpoint
     1  crashed           4  loss diverged (NaN/inf)   2  bad arguments or attempt directory
+                                                     76  stopped by SIGUSR1 (a cluster's time
+                                                         limit is near) after a checkpoint
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from oomguard.strategies.outcome import (
     EXIT_FINISHED,
     EXIT_INTERRUPTED,
     EXIT_OOM,
+    EXIT_TIME_LIMIT,
     EXIT_USAGE,
     Outcome,
 )
@@ -33,6 +37,7 @@ EXIT_CODE_BY_KIND = {
     "oom": EXIT_OOM,
     "diverged": EXIT_DIVERGED,
     "interrupted": EXIT_INTERRUPTED,
+    "time_limit": EXIT_TIME_LIMIT,
     "crashed": EXIT_CRASHED,
 }
 
@@ -60,7 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     def request_stop(signum: int, frame: object) -> None:
         control.stop_requested = True
 
+    def time_limit_near(signum: int, frame: object) -> None:
+        # Slurm's --signal=B:USR1@N, passed on by the shim: checkpoint and stop, to go on in
+        # the next attempt with the same plan.
+        if control.time_limit_signal_at is None:
+            control.time_limit_signal_at = time.monotonic()
+        control.stop_requested = True
+
     signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGUSR1, time_limit_near)
     print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
 
     quiet_optional_kernel_warnings()

@@ -34,6 +34,10 @@ class Retry:
 
     reason: str
     after_seconds: float = 0.0
+    # What the next attempts ask of a cluster (None: as before): more host memory after an OOM
+    # at its limit, checkpoints at least this often after a time limit passed without one.
+    host_memory: int | None = None
+    checkpoint_every_seconds: float | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ from typing import Any, Literal, get_args
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.plan import Plan
 
-OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted"]
+# "time_limit": stopped before a batch scheduler's time limit (after a checkpoint when it had
+# one to make), to go on in the next attempt with the same plan.
+OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted", "time_limit"]
 Phase = Literal["setup", "data", "forward", "backward", "optimizer", "checkpoint"]
 
 # The runner's exit codes. They are documented in the README; the daemon trusts outcome.json
@@ -22,12 +24,14 @@ EXIT_USAGE = 2
 EXIT_OOM = 3
 EXIT_DIVERGED = 4
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint; run it again
+EXIT_TIME_LIMIT = 76  # stopped on SIGUSR1 (a cluster's time limit is near) after a checkpoint
 
 KIND_BY_EXIT_CODE: dict[int, OutcomeKind] = {
     EXIT_FINISHED: "finished",
     EXIT_OOM: "oom",
     EXIT_DIVERGED: "diverged",
     EXIT_INTERRUPTED: "interrupted",
+    EXIT_TIME_LIMIT: "time_limit",
 }
 
 
@@ -93,6 +97,11 @@ class Outcome:
     measurements: tuple[Measurement, ...] = ()
     # Rungs taken inside the process, in order: {"step", "from", "to", "rungs", "reason"}.
     recoveries: tuple[dict[str, Any], ...] = ()
+    # Limits a batch scheduler ended the attempt at: the host memory it was given (sbatch
+    # --mem, bytes) when it ran out of it, and its time limit (seconds) when that passed
+    # without a checkpoint made in the attempt. None: no such limit ended it.
+    host_memory_limit: int | None = None
+    time_limit_without_checkpoint: int | None = None
 
     @property
     def error_line(self) -> str | None:

@@ -10,6 +10,7 @@ sizes without paying for a torch import, and tests/integration/test_imports.py c
 
 from __future__ import annotations
 
+import math
 import re
 from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
@@ -199,3 +200,39 @@ def duration_axis_unit(span_s: float) -> tuple[str, float]:
     if span_s < 3 * 86400:
         return "h", 3600.0
     return "days", 86400.0
+
+
+# A time limit as Slurm's --time takes it: "MM", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM" or
+# "D-HH:MM:SS" (a bare number is minutes).
+_SLURM_TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+))?(?::(\d+))?|(\d+)(?::(\d+))?(?::(\d+))?)$")
+SLURM_TIME_FORMS = '"MM", "HH:MM:SS" or "D-HH:MM:SS" as sbatch --time takes them (e.g. "30", "4:00:00", "2-00:00:00")'
+
+
+def parse_time_limit(value: str | int) -> int:
+    """Seconds in a time limit written as sbatch's --time takes it (an integer: minutes)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"a time limit must be positive, got {value} minutes")
+        return value * 60
+    match = _SLURM_TIME.match(value.strip()) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(f"not a time limit: {value!r} (expected {SLURM_TIME_FORMS})")
+    days, day_hours, day_minutes, day_seconds, first, second, third = (int(g) if g else 0 for g in match.groups())
+    if match.group(1) is not None:
+        seconds = ((days * 24 + day_hours) * 60 + day_minutes) * 60 + day_seconds
+    elif match.group(7) is not None:  # HH:MM:SS
+        seconds = (first * 60 + second) * 60 + third
+    else:  # MM or MM:SS
+        seconds = first * 60 + second
+    if seconds <= 0:
+        raise ValueError(f"a time limit must be positive, got {value!r}")
+    return seconds
+
+
+def format_time_limit(seconds: float) -> str:
+    """``seconds`` as sbatch's --time takes it, "D-HH:MM:SS", rounded up to whole minutes
+    (Slurm counts time limits in minutes)."""
+    minutes = max(1, -(-int(math.ceil(seconds)) // 60))
+    days, minutes = divmod(minutes, 24 * 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{days}-{hours:02d}:{minutes:02d}:00"

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from oomguard.daemon.launch import Exit, Handle, LaunchRequest
+from oomguard.daemon.launch import Exit, Handle, LaunchRequest, QueueState
 from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import OUTCOME, AttemptFiles
@@ -75,13 +75,15 @@ class FakeLauncher:
         self._alive.add(str(request.attempt_dir))
         return Handle(str(request.attempt_dir), next(self._pids), 1)
 
-    def adopt(self, attempt_dir: str, pid: int | None, started: int | None) -> Handle:
-        handle = Handle(attempt_dir, pid, started)
+    def adopt(self, handle: Handle, owner_uid: int) -> Handle:
         self.adopted.append(handle)
         return handle
 
     def running(self, handle: Handle) -> bool:
         return handle.attempt_dir in self._alive
+
+    def queue_state(self, handle: Handle) -> QueueState | None:
+        return None
 
     def collect(self, handle: Handle, owner_uid: int, files: AttemptFiles) -> Exit:
         return self._exits.pop(handle.attempt_dir, Exit(returncode=None, recorded=False))

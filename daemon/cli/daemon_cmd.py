@@ -19,6 +19,8 @@ from oomguard.daemon.text import escape
 from oomguard.strategies.errors import InsecureStateDir, NoGpus
 
 if TYPE_CHECKING:  # for the annotations only: the daemon's modules are imported when it starts
+    from oomguard.daemon.config import DaemonConfig, SlurmConfig
+    from oomguard.daemon.launch import Launcher
     from oomguard.daemon.monitor import GpuMonitor
     from oomguard.daemon.sd_notify import SystemdNotifier
     from oomguard.daemon.supervisor import Supervisor
@@ -57,16 +59,20 @@ def _daemon(args: argparse.Namespace) -> int:
     from oomguard.daemon.supervisor import Supervisor
 
     max_user_priority = _max_user_priority(args)
+    config = _config(args)
+    launcher = _launcher(config)
     state, lock = _claim_state_dir(args.state_dir)
     store = Store(state.database)
-    monitor = _gpu_monitor(args, state, store)
+    # On a cluster Slurm places attempts: no GPU of this machine is watched or placed on.
+    monitor = _gpu_monitor(args, state, store) if config.backend == "local" else None
+    max_parallel = args.max_parallel if args.max_parallel is not None or config.backend == "local" else config.slurm.max_jobs
     config_paths = [Path(p) for p in args.notify_config] if args.notify_config else None
     notifier = Notifier(config_paths, throttle_seconds=args.notify_throttle)
     spool = Spool(state.inbox, state.accepted, state.rejected)
     supervisor = Supervisor(
-        state, store, max_parallel=args.max_parallel, device=device_from_option(args.emulate_device_memory), on_event=print_event,
+        state, store, max_parallel=max_parallel, device=device_from_option(args.emulate_device_memory), on_event=print_event,
         spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
-        max_user_priority=max_user_priority,
+        max_user_priority=max_user_priority, launcher=launcher,
     )
     stop_on_signals(supervisor, stop_jobs=args.stop_jobs)
     spool.start()
@@ -76,6 +82,8 @@ def _daemon(args: argparse.Namespace) -> int:
     try:  # from here on, whatever ends the daemon (a reader of its output gone too) goes through finally
         if monitor is not None:
             print(f"GPUs: {monitor.source.description}", flush=True)
+        if config.backend == "slurm":
+            print(f"attempts go to Slurm ({_where(config.slurm)}), at most {max_parallel} at once", flush=True)
         print(f"oomguard daemon {os.getpid()} watching {state.inbox} ({mode})", flush=True)
         systemd.ready(f"watching {state.inbox}")
         _supervise(supervisor, systemd, stopping, args.poll_interval)
@@ -101,6 +109,40 @@ def _max_user_priority(args: argparse.Namespace) -> int:
     if not -(2**63) <= max_user_priority <= 2**63 - 1:
         raise CliError(f"--max-user-priority must fit a 64-bit integer (a job's priority does), got {max_user_priority}")
     return max_user_priority
+
+
+def _config(args: argparse.Namespace) -> DaemonConfig:
+    """--config's file (the defaults without one), checked before anything starts."""
+    from oomguard.daemon.config import ConfigError, DaemonConfig, read_config
+
+    if args.config is None:
+        return DaemonConfig()
+    try:
+        config = read_config(args.config)
+    except ConfigError as error:
+        raise CliError(str(error)) from None
+    if config.backend == "slurm" and args.emulate_gpus:
+        raise CliError("--emulate-gpus: on a Slurm cluster Slurm places attempts on GPUs; emulate their memory with --emulate-device-memory")
+    return config
+
+
+def _launcher(config: DaemonConfig) -> Launcher | None:
+    """The Launcher of the config's backend (None: the local one, the Supervisor's default)."""
+    if config.backend == "local":
+        return None
+    from oomguard.daemon.launch.slurm import NoSlurm, SlurmLauncher
+
+    try:
+        launcher = SlurmLauncher(config.slurm)
+        launcher.check()
+    except NoSlurm as error:
+        raise CliError(f"backend = \"slurm\": {error}") from None
+    return launcher
+
+
+def _where(slurm: SlurmConfig) -> str:
+    named = [f"{key} {value}" for key, value in (("partition", slurm.partition), ("account", slurm.account), ("qos", slurm.qos)) if value]
+    return ", ".join(named) or "the cluster's default partition"
 
 
 def _claim_state_dir(state_dir: Path) -> tuple[StateDir, DaemonLock]:

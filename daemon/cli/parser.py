@@ -42,6 +42,10 @@ def _add_emulate_device_memory(command: argparse.ArgumentParser) -> None:
 def _add_daemon(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     daemon = commands.add_parser("daemon", help="run the supervisor in the foreground")
     daemon.add_argument(
+        "--config", metavar="FILE", type=Path, default=None,
+        help='the daemon\'s configuration (TOML): backend = "slurm" and a [slurm] table to run attempts on a Slurm cluster (README: Running on a Slurm cluster)',
+    )
+    daemon.add_argument(
         "--max-parallel", type=int, default=None,
         help="attempts running at once, at most (default: as many as the GPUs take; 1 without GPUs)",
     )

@@ -9,7 +9,7 @@ from typing import Any
 from oomguard.daemon.cli.output import EXIT_OK, print_table, short_plan
 from oomguard.daemon.cli.state import heartbeat_of, open_store
 from oomguard.daemon.store import TERMINAL_STATES
-from oomguard.daemon.store_rows import JobRow
+from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.daemon.text import escape, shorten
 from oomguard.strategies.units import format_duration_short
 
@@ -73,6 +73,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             note = f"waiting: {job.waiting}"
         elif job.cancel_requested and job.state not in TERMINAL_STATES:
             note = "cancel requested"
+        elif running and attempt is not None and attempt.scheduler_id is not None:
+            note = scheduler_note(attempt)
         else:
             note = (job.result or "").splitlines()[0] if job.result else ""
         cells = (
@@ -87,6 +89,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     print_table(table)
     return EXIT_OK
+
+
+def scheduler_note(attempt: AttemptRow) -> str:
+    """Where Slurm has a running job's attempt: "Slurm job 12: PENDING (Priority)"."""
+    note = f"Slurm job {attempt.scheduler_id}: {attempt.scheduler_state or 'submitted'}"
+    if attempt.scheduler_reason:
+        note += f" ({attempt.scheduler_reason})"
+    if attempt.scheduler_restarts:
+        note += f", requeued {attempt.scheduler_restarts}x"
+    return note
 
 
 def plan_shown(job: JobRow, heartbeat: dict[str, Any]) -> str:

@@ -5,6 +5,9 @@ a Launcher decides *where and how*. `LocalLauncher` (daemon/launch/local.py) sta
 shim in a session of its own on this machine; it is the only place in the daemon that starts
 or signals a process. Tests of scheduling and lifecycle use a fake one (tests/fakes.py).
 
+`SlurmLauncher` (daemon/launch/slurm.py) submits each attempt to a Slurm cluster instead: the
+same shim runs there as a batch job, and Slurm places and queues it.
+
 The types here are plain data, so that a launcher can be swapped without the supervisor
 knowing which one runs its attempts, and so that a handle can be rebuilt from the store by a
 restarted daemon.
@@ -23,6 +26,18 @@ from oomguard.jobs.attempt import AttemptFiles
 
 
 @dataclass(frozen=True)
+class Resources:
+    """What one attempt asks a batch scheduler for (None: the daemon config's default). A
+    local launcher places by GPUs instead and does not read them."""
+
+    gpus: int = 1
+    gpu_type: str | None = None
+    host_memory: int | None = None  # bytes
+    cpus: int | None = None
+    time_limit: int | None = None  # seconds
+
+
+@dataclass(frozen=True)
 class LaunchRequest:
     """One attempt to start: ``argv`` (the runner, or the user's command) runs as ``owner`` in
     ``cwd`` (None: the workdir), entered by the attempt's own processes, never by the daemon."""
@@ -37,6 +52,12 @@ class LaunchRequest:
     # the daemon never writes into a folder of the user's.
     stdin: bytes
     gpus: tuple[int, ...] | None
+    resources: Resources = Resources()
+    # How the attempt is named where a scheduler lists it ("oomguard-JOB-ATTEMPT").
+    label: str = "oomguard"
+    # Its command checkpoints and ends "time_limit" on SIGUSR1 (the built-in runner), which a
+    # scheduler sends before the time limit; a command that does not is not sent it.
+    checkpoints_on_usr1: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,6 +68,31 @@ class Handle:
     attempt_dir: str
     pid: int | None  # None: recorded, but no process was found for it
     started: int | None
+    # Its job id at a batch scheduler (Slurm), which names it there for good (None: local).
+    scheduler_id: str | None = None
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """Where a batch scheduler has an attempt now: "PENDING" with why ("Priority",
+    "Resources"), "RUNNING", ..., and how often it requeued it itself (a node failure, a
+    preemption)."""
+
+    state: str
+    reason: str | None
+    restarts: int
+
+
+@dataclass(frozen=True)
+class SchedulerEnd:
+    """How a batch scheduler ended an attempt: its state ("COMPLETED", "TIMEOUT",
+    "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED", "CANCELLED", ...) and reason, and the limits
+    it ran under (None where the scheduler no longer knows the job)."""
+
+    state: str | None
+    reason: str | None = None
+    time_limit: int | None = None  # seconds
+    host_memory: int | None = None  # bytes
 
 
 @dataclass(frozen=True)
@@ -58,6 +104,7 @@ class Exit:
     failed_process: dict[str, Any] | None = None  # the first process that recorded its own death
     oom_kills: int | None = None  # the kernel's OOM kills while it ran
     no_folder: bool = False  # it could not enter the workdir or make the attempt's folder, as the owner
+    scheduler: SchedulerEnd | None = None  # how a batch scheduler ended it (None: local)
 
 
 class Launcher(Protocol):
@@ -65,11 +112,16 @@ class Launcher(Protocol):
         """Start the attempt; LaunchFailed when it cannot be started."""
         ...
 
-    def adopt(self, attempt_dir: str, pid: int | None, started: int | None) -> Handle:
-        """An attempt an earlier daemon started (``pid`` None: recorded just before its start)."""
+    def adopt(self, handle: Handle, owner_uid: int) -> Handle:
+        """An attempt an earlier daemon started, as its row has it (no pid nor scheduler id:
+        recorded just before its start, looked for among the owner's)."""
         ...
 
     def running(self, handle: Handle) -> bool: ...
+
+    def queue_state(self, handle: Handle) -> QueueState | None:
+        """Where a batch scheduler has the attempt now (None: no scheduler, or not known)."""
+        ...
 
     def collect(self, handle: Handle, owner_uid: int, files: AttemptFiles) -> Exit:
         """End whatever is left of an attempt whose leading process has ended, and say how it ended."""

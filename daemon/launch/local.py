@@ -13,11 +13,13 @@ import signal
 import subprocess
 import sys
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from oomguard.daemon import processes
 from oomguard.daemon.as_user import spawn_options
-from oomguard.daemon.launch import Exit, Handle, LaunchRequest
+from oomguard.daemon.launch import Exit, Handle, LaunchRequest, QueueState
 from oomguard.daemon.shim import CANNOT_USE_FOLDER, EXIT_STATUS
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import AttemptFiles
@@ -69,12 +71,16 @@ class LocalLauncher:
             pass  # the shim died at once; collecting it records how
         return handle
 
-    def adopt(self, attempt_dir: str, pid: int | None, started: int | None) -> Handle:
-        if pid is None:
-            found = _find_shim(attempt_dir)
-            if found is not None:
-                pid, started = found
-        return Handle(attempt_dir, pid, started)
+    def adopt(self, handle: Handle, owner_uid: int) -> Handle:
+        if handle.pid is None:
+            found = _find_shim(handle.attempt_dir)
+            # Anyone can start a process with that command line: only the owner's is the shim.
+            if found is not None and processes.real_uid(found[0]) == owner_uid:
+                return Handle(handle.attempt_dir, *found)
+        return handle
+
+    def queue_state(self, handle: Handle) -> QueueState | None:
+        return None  # no queue: an attempt runs as soon as it starts
 
     def running(self, handle: Handle) -> bool:
         if handle.pid is None:
@@ -93,19 +99,12 @@ class LocalLauncher:
             # Ranks that left the group (a session of their own) and outlived the shim.
             # Only the owner's: anyone may mark a process of their own with this attempt's folder.
             processes.send(processes.marked_with(handle.attempt_dir, owner_uid), signal.SIGKILL)
-        status = files.read_json(EXIT_STATUS)
-        if not isinstance(status, dict):
-            status = None
-        returncode = status.get("returncode") if status and isinstance(status.get("returncode"), int) else None
-        failed = status.get("failed_process") if status and isinstance(status.get("failed_process"), dict) else None
-        oom_kills = status.get("oom_kills") if status and isinstance(status.get("oom_kills"), int) else None
+        ended = exit_from_files(files, watched=child is not None)
+        # A shim of ours that could not enter the workdir, as the owner, had nowhere to write.
+        no_folder = not ended.recorded_by_shim and child is not None and child.returncode == CANNOT_USE_FOLDER
         return Exit(
-            returncode=returncode,
-            recorded=status is not None or child is not None,
-            failed_process=failed,
-            oom_kills=oom_kills,
-            # A shim of ours that could not enter the workdir, as the owner, had nowhere to write.
-            no_folder=status is None and child is not None and child.returncode == CANNOT_USE_FOLDER,
+            returncode=ended.returncode, recorded=ended.recorded, failed_process=ended.failed_process, oom_kills=ended.oom_kills,
+            no_folder=no_folder,
         )
 
     def stop(self, handle: Handle, *, kill: bool) -> None:
@@ -136,11 +135,39 @@ class LocalLauncher:
         return found
 
     def run_as(self, account: Account, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-        # In /, never in a folder of the user's (Popen enters cwd= before it drops root's rights).
-        return subprocess.run(
-            argv, **spawn_options(account), cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, stdin=subprocess.DEVNULL,
-            capture_output=True, text=True, timeout=timeout,
-        )
+        return run_as(account, argv, timeout)
+
+
+def run_as(account: Account, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """A short program as ``account`` (every launcher's run_as). In /, never in a folder of the
+    user's (Popen enters cwd= before it drops root's rights)."""
+    return subprocess.run(
+        argv, **spawn_options(account), cwd="/", env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}, stdin=subprocess.DEVNULL,
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+@dataclass(frozen=True)
+class ShimExit:
+    """What the shim's exit.json says (every launcher's collect reads it)."""
+
+    returncode: int | None
+    recorded: bool  # recorded by the shim, or watched ending by this daemon
+    recorded_by_shim: bool
+    failed_process: dict[str, Any] | None
+    oom_kills: int | None
+
+
+def exit_from_files(files: AttemptFiles, *, watched: bool) -> ShimExit:
+    """How the attempt's command ended, as its shim recorded it; ``watched``: this daemon saw
+    the shim end (so it ended, recorded or not)."""
+    status = files.read_json(EXIT_STATUS)
+    if not isinstance(status, dict):
+        status = None
+    returncode = status.get("returncode") if status and isinstance(status.get("returncode"), int) else None
+    failed = status.get("failed_process") if status and isinstance(status.get("failed_process"), dict) else None
+    oom_kills = status.get("oom_kills") if status and isinstance(status.get("oom_kills"), int) else None
+    return ShimExit(returncode, status is not None or watched, status is not None, failed, oom_kills)
 
 
 def _kill_group(group: int) -> None:

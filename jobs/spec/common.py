@@ -7,16 +7,17 @@ A command job uses only part of [train] (keys.py SCRIPT_OWNED_TRAIN_KEYS are its
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from oomguard.jobs.spec.keys import DEFAULT_NOTIFY_EVENTS, NOTIFY_EVENTS, TEXT_TO_IMAGE_TRAINER
-from oomguard.jobs.spec.reader import ReadContext, Section, describe_value, is_int, strip_none
+from oomguard.jobs.spec.reader import ReadContext, Section, describe_value, is_int, render_value, strip_none
 from oomguard.strategies import rungs
 from oomguard.strategies.plan import MixedPrecision
-from oomguard.strategies.units import parse_size
+from oomguard.strategies.units import parse_size, parse_time_limit
 
 MIXED_PRECISIONS: tuple[str, ...] = ("no", "bf16", "fp16")
 # diffusers' get_scheduler names (diffusers.optimization.SchedulerType) that need nothing but
@@ -95,12 +96,18 @@ class LadderSpec:
     # Measure a few steps at two micro-batch sizes before the first attempt and start at a
     # plan that fits.
     probe: bool = True
+    # Take a rung inside the running process when an OOM allows it (false: every rung is a new
+    # attempt, in a new process: on a cluster, a new batch job).
+    in_process: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allow", tuple(self.allow))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"allow": list(self.allow), "max_attempts": self.max_attempts, "crash_retries": self.crash_retries, "probe": self.probe}
+        return {
+            "allow": list(self.allow), "max_attempts": self.max_attempts, "crash_retries": self.crash_retries, "probe": self.probe,
+            "in_process": self.in_process,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LadderSpec:
@@ -110,20 +117,34 @@ class LadderSpec:
 
 @dataclass(frozen=True)
 class ResourcesSpec:
-    """What the job needs of the box: how many GPUs, and whether it may share them."""
+    """What the job needs of the box: how many GPUs, and whether it may share them; on a
+    Slurm cluster also what each attempt asks for (None: the daemon config's default)."""
 
     gpus: int = 1
     # Share GPUs with other jobs by memory (default: a GPU to itself).
     share: bool = False
     # Device memory per GPU the job expects to need, in bytes (None: learn it by running).
     memory: int | None = None
+    # On a cluster (daemon/launch/slurm.py): host memory (sbatch --mem, bytes), CPUs
+    # (--cpus-per-task), the time limit of one attempt (--time, seconds) and the GPU type
+    # (--gres=gpu:TYPE:N). A local daemon does not use them.
+    host_memory: int | None = None
+    cpus: int | None = None
+    time_limit: int | None = None
+    gpu_type: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"gpus": self.gpus, "share": self.share, "memory": self.memory}
+        return {
+            "gpus": self.gpus, "share": self.share, "memory": self.memory, "host_memory": self.host_memory, "cpus": self.cpus,
+            "time_limit": self.time_limit, "gpu_type": self.gpu_type,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ResourcesSpec:
-        return cls(gpus=int(data.get("gpus", 1)), share=bool(data.get("share", False)), memory=data.get("memory"))
+        return cls(
+            gpus=int(data.get("gpus", 1)), share=bool(data.get("share", False)), memory=data.get("memory"),
+            host_memory=data.get("host_memory"), cpus=data.get("cpus"), time_limit=data.get("time_limit"), gpu_type=data.get("gpu_type"),
+        )
 
 
 @dataclass(frozen=True)
@@ -208,24 +229,43 @@ def parse_ladder(s: Section) -> LadderSpec:
     max_attempts = s.int("max_attempts", minimum=1, default=12)
     crash_retries = s.int("crash_retries", minimum=0, default=2)
     probe = s.bool("probe", default=True)
-    return LadderSpec(allow=tuple(allow), max_attempts=max_attempts, crash_retries=crash_retries, probe=probe)
+    in_process = s.bool("in_process", default=True)
+    return LadderSpec(allow=tuple(allow), max_attempts=max_attempts, crash_retries=crash_retries, probe=probe, in_process=in_process)
 
 
 def parse_resources(s: Section) -> ResourcesSpec:
     gpus = s.int("gpus", minimum=1, maximum=64, default=1)
     share = s.bool("share", default=False)
-    memory = s.get("memory", None)
-    if memory is not None:
-        if is_int(memory) and memory > 0:
-            memory = int(memory)
-        elif isinstance(memory, str):
-            try:
-                memory = parse_size(memory)
-            except ValueError as error:
-                raise s.fail("memory", str(error)) from None
-        else:
-            raise s.fail("memory", f"expected a size such as \"20GiB\", found {describe_value(memory)}")
-    return ResourcesSpec(gpus=gpus, share=share, memory=memory)
+    memory = _size(s, "memory", "20GiB")
+    host_memory = _size(s, "host_memory", "64GiB")
+    cpus = s.int("cpus", minimum=1, maximum=4096, default=None)
+    time_limit = s.get("time_limit", None)
+    if time_limit is not None:
+        try:
+            time_limit = parse_time_limit(time_limit)
+        except ValueError as error:
+            raise s.fail("time_limit", f"{error}; it is one attempt's limit on a Slurm cluster") from None
+    gpu_type = s.str("gpu_type", default=None)
+    if gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", gpu_type):
+        raise s.fail("gpu_type", f"expected a GPU type as the cluster's gres.conf names it (e.g. \"a100\"), found {render_value(gpu_type)}")
+    return ResourcesSpec(
+        gpus=gpus, share=share, memory=memory, host_memory=host_memory, cpus=cpus, time_limit=time_limit, gpu_type=gpu_type,
+    )
+
+
+def _size(s: Section, k: str, example: str) -> int | None:
+    """An optional memory size: bytes, or a size such as "20GiB"."""
+    value = s.get(k, None)
+    if value is None:
+        return None
+    if is_int(value) and value > 0:
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as error:
+            raise s.fail(k, str(error)) from None
+    raise s.fail(k, f"expected a size such as \"{example}\", found {describe_value(value)}")
 
 
 def _string_list(s: Section, k: str, secret: bool = False) -> tuple[str, ...]:

@@ -61,8 +61,8 @@ _TRAIN_KEYS = (
     "ema",
     "ema_decay",
 )
-_LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe")
-_RESOURCES_KEYS = ("gpus", "share", "memory")
+_LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe", "in_process")
+_RESOURCES_KEYS = ("gpus", "share", "memory", "host_memory", "cpus", "time_limit", "gpu_type")
 _COMMAND_KEYS = ("argv", "cwd", "env", "when", "processes")
 _NOTIFY_KEYS = ("urls", "tags", "events")
 

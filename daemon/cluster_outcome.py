@@ -1,0 +1,89 @@
+"""How a batch scheduler's end of an attempt (Slurm's job state) changes its Outcome.
+
+The runner's report comes first where it has one: a runner that checkpointed on the way out
+said so. What only the scheduler knows decides the rest:
+
+- OUT_OF_MEMORY: the job went over the host memory it asked for (--mem): host_oom, with the
+  limit, for the doctor to ask for more;
+- TIMEOUT/DEADLINE: the time limit passed: time_limit (the runner's "interrupted" by the
+  SIGTERM at the limit, after a checkpoint, included), with the limit when the attempt made
+  no checkpoint at all, for the doctor to make the next checkpoint more often;
+- NODE_FAIL/PREEMPTED/BOOT_FAIL: the cluster's doing (when Slurm did not requeue it itself):
+  interrupted, to go on from the checkpoint without a rung;
+- CANCELLED not asked for by oomguard: someone cancelled it in Slurm (scancel): the job is
+  cancelled with that reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from oomguard.daemon.launch import SchedulerEnd
+from oomguard.daemon.store_rows import AttemptRow
+from oomguard.jobs.attempt import HEARTBEAT, AttemptFiles
+from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.units import format_bytes, format_duration_words
+
+TIME_LIMIT_STATES = ("TIMEOUT", "DEADLINE")
+CLUSTER_FAILURE_STATES = ("NODE_FAIL", "PREEMPTED", "BOOT_FAIL")
+
+
+def with_scheduler_end(attempt: AttemptRow, files: AttemptFiles, end: SchedulerEnd, reported: Outcome | None) -> Outcome | None:
+    """The attempt's outcome as the scheduler's end makes it (None: the scheduler says nothing
+    the shim's exit status and the log do not, so those decide)."""
+    state = end.state
+    said = f"Slurm ended job {attempt.scheduler_id} {state}" + (f" ({end.reason})" if end.reason else "")
+    if reported is not None:
+        if reported.kind == "interrupted" and state in TIME_LIMIT_STATES and not attempt.term_sent_at:
+            # The SIGTERM at the limit (the signal before it came too late): it checkpointed.
+            return dataclasses.replace(reported, kind="time_limit", message=f"{said}: stopped at the time limit after a checkpoint at step {reported.step}")
+        return reported
+    if state == "OUT_OF_MEMORY":
+        given = f"the {format_bytes(end.host_memory)} of host memory it was given" if end.host_memory else "the host memory it was given"
+        return Outcome(
+            kind="host_oom", step=_checkpoint_step(files) or 0, resumed_from=_resumed_from(files), host_memory_limit=end.host_memory,
+            message=f"{said}: a process of it used more than {given} (sbatch --mem) and the kernel killed it",
+        )
+    if state in TIME_LIMIT_STATES:
+        resumed, checkpoint = _resumed_from(files), _checkpoint_step(files)
+        # Known for the built-in runner only (its heartbeat says where its checkpoints stand);
+        # a script's own checkpoints are its business, and its time limits are continuations.
+        made_none = _reports_checkpoints(files) and (checkpoint is None or checkpoint == resumed)
+        limit = f" ({format_duration_words(end.time_limit)})" if end.time_limit else ""
+        kept = f"its newest checkpoint is at step {checkpoint}" if checkpoint is not None else "it has no checkpoint"
+        return Outcome(
+            kind="time_limit", step=checkpoint or 0, resumed_from=resumed,
+            time_limit_without_checkpoint=end.time_limit if made_none else None,
+            message=f"{said}: killed at its time limit{limit} before it could checkpoint; {kept}",
+        )
+    if state in CLUSTER_FAILURE_STATES or (state == "CANCELLED" and attempt.term_sent_at):
+        return Outcome(
+            kind="interrupted", step=_checkpoint_step(files) or 0, resumed_from=_resumed_from(files),
+            message=f"{said}; the next attempt continues from its checkpoint",
+        )
+    if state == "CANCELLED":
+        return Outcome(
+            kind="cancelled", step=_checkpoint_step(files) or 0, resumed_from=_resumed_from(files),
+            message=f"{said}: cancelled in Slurm, not by oomguard (scancel by its owner or an administrator)",
+        )
+    return None
+
+
+def _heartbeat_field(files: AttemptFiles, name: str) -> int | None:
+    heartbeat = files.read_json(HEARTBEAT)
+    value = heartbeat.get(name) if isinstance(heartbeat, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _reports_checkpoints(files: AttemptFiles) -> bool:
+    heartbeat = files.read_json(HEARTBEAT)
+    return isinstance(heartbeat, dict) and "last_checkpoint" in heartbeat
+
+
+def _checkpoint_step(files: AttemptFiles) -> int | None:
+    """The step of the attempt's newest checkpoint, as its last heartbeat says (None: none)."""
+    return _heartbeat_field(files, "last_checkpoint")
+
+
+def _resumed_from(files: AttemptFiles) -> int | None:
+    return _heartbeat_field(files, "resumed_from")

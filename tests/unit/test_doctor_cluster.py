@@ -1,0 +1,48 @@
+"""The doctor's answers to what a cluster ends an attempt with: a time limit, a host OOM at
+the memory the attempt asked for."""
+
+from __future__ import annotations
+
+from oomguard.strategies.decision import GiveUp, PastAttempt, Retry
+from oomguard.strategies.doctor import decide
+from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.plan import Plan
+from oomguard.strategies.policy import Policy
+from oomguard.strategies.rungs import exact_names
+
+PLAN = Plan.initial(16)
+POLICY = Policy(allow=exact_names(), max_attempts=3)
+
+
+def history(*outcomes: Outcome) -> list[PastAttempt]:
+    return [PastAttempt(PLAN, outcome) for outcome in outcomes]
+
+
+def test_a_time_limit_after_a_checkpoint_goes_on_with_the_same_plan_and_costs_no_try() -> None:
+    limit = Outcome(kind="time_limit", step=40, resumed_from=20)
+    decision = decide(limit, PLAN, history(*[limit] * 10), POLICY)
+    assert isinstance(decision, Retry) and decision.after_seconds == 0
+    assert decision.host_memory is None and decision.checkpoint_every_seconds is None
+    assert "same plan [mb=16x1]" in decision.reason
+
+
+def test_a_time_limit_without_a_checkpoint_makes_the_next_attempts_checkpoint_more_often_and_counts() -> None:
+    limit = Outcome(kind="time_limit", step=0, time_limit_without_checkpoint=3600)
+    decision = decide(limit, PLAN, history(limit), POLICY)
+    assert isinstance(decision, Retry) and decision.checkpoint_every_seconds == 1200
+    assert "checkpoint at least every 20 minutes" in decision.reason
+    # It made no progress: it uses up the job's tries, so that it cannot go on for ever.
+    assert isinstance(decide(limit, PLAN, history(limit, limit, limit), POLICY), GiveUp)
+
+
+def test_a_host_oom_at_the_memory_asked_for_asks_for_twice_as_much() -> None:
+    oom = Outcome(kind="host_oom", step=7, host_memory_limit=2**30)
+    decision = decide(oom, PLAN, history(oom), POLICY)
+    assert isinstance(decision, Retry) and decision.host_memory == 2 * 2**30 and decision.after_seconds == 0
+    assert "1.00 GiB of host memory it was given" in decision.reason and "asks for 2.00 GiB" in decision.reason
+
+
+def test_a_host_oom_of_the_machine_is_still_retried_after_a_pause() -> None:
+    oom = Outcome(kind="host_oom", step=7, message="the kernel's OOM killer ended a process")
+    decision = decide(oom, PLAN, history(oom), POLICY)
+    assert isinstance(decision, Retry) and decision.host_memory is None and decision.after_seconds > 0
