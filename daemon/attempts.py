@@ -32,6 +32,7 @@ from oomguard.jobs.emulated_gpus import EMULATED_GPUS_ENV
 from oomguard.jobs.script_report import first_schedules
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies import rungs
+from oomguard.strategies.decision import Retry
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.planner import describe_change
@@ -95,6 +96,7 @@ class Attempts:
     def __init__(
         self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, secrets: Secrets, jobs: JobCache, *,
         gpus: GpuMonitor | None, stall_seconds: float, after: Callable[[JobRow, Outcome], None],
+        pause: Callable[[int, float], None] = lambda job_id, seconds: None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -106,6 +108,7 @@ class Attempts:
         self.gpus = gpus
         self.stall_seconds = stall_seconds
         self.after = after  # what the job does next, once its attempt's end is recorded
+        self.pause = pause  # the job starts again no earlier than this many seconds from now
         self.running: dict[int, Running] = {}
 
     def files_of(self, attempt: AttemptRow) -> AttemptFiles:
@@ -179,8 +182,6 @@ class Attempts:
                 time_limit=wanted.time_limit,
             ),
             label=f"oomguard-{job.id}-{number}",
-            # The built-in runner checkpoints on SIGUSR1; a script's own handling of it is not known.
-            checkpoints_on_usr1=spec.command is None,
         )
         return self._launch(job, attempt_id, number, request, plan)
 
@@ -191,6 +192,9 @@ class Attempts:
         try:
             handle = self.launcher.start(request)
         except LaunchFailed as error:
+            if error.retry_after is not None:
+                self._launch_later(job, attempt_id, error)
+                return False
             outcome = Outcome(kind="crashed", message=error.why)
             with self.store.atomic():
                 self.lifecycle.end_attempt(attempt_id, outcome)
@@ -212,6 +216,16 @@ class Attempts:
             data={"attempt": number, "gpus": list(gpus) if gpus is not None else None, "plan": plan.short(), "scheduler_id": handle.scheduler_id},
         )
         return True
+
+    def _launch_later(self, job: JobRow, attempt_id: int, error: LaunchFailed) -> None:
+        """Not started now, but it may be later (a cluster's controller that does not answer):
+        the attempt ends interrupted (no try used up) and the job waits, then starts again."""
+        assert error.retry_after is not None
+        reason = f"{error.why}; trying again in {format_duration_words(error.retry_after)}"
+        with self.store.atomic():
+            self.lifecycle.end_attempt(attempt_id, Outcome(kind="interrupted", message=error.why))
+            self.lifecycle.retry(job, Retry(reason=reason, after_seconds=error.retry_after), waiting=reason)
+        self.pause(job.id, error.retry_after)
 
     def _environment(self, plan: Plan, owner: Account, gpus: tuple[int, ...] | None) -> dict[str, str]:
         """The attempt's environment: the owner's, the plan's (the allocator rung), its GPUs."""

@@ -46,13 +46,17 @@ def with_scheduler_end(attempt: AttemptRow, files: AttemptFiles, end: SchedulerE
         )
     if state in TIME_LIMIT_STATES:
         resumed, checkpoint = _resumed_from(files), _checkpoint_step(files)
-        # Known for the built-in runner only (its heartbeat says where its checkpoints stand);
-        # a script's own checkpoints are its business, and its time limits are continuations.
-        made_none = _reports_checkpoints(files) and (checkpoint is None or checkpoint == resumed)
         limit = f" ({format_duration_words(end.time_limit)})" if end.time_limit else ""
-        kept = f"its newest checkpoint is at step {checkpoint}" if checkpoint is not None else "it has no checkpoint"
+        if _reports_checkpoints(files):  # the built-in runner: its heartbeat says where its checkpoints stand
+            made_none = checkpoint is None or checkpoint == resumed
+            step = checkpoint or 0
+            kept = f"its newest checkpoint is at step {checkpoint}" if checkpoint is not None else "it has no checkpoint"
+        else:  # a script: its checkpoints are its own; how far it got
+            made_none = False
+            step = _heartbeat_field(files, "step") or 0
+            kept = "it goes on from the script's own newest checkpoint"
         return Outcome(
-            kind="time_limit", step=checkpoint or 0, resumed_from=resumed,
+            kind="time_limit", step=step, resumed_from=resumed,
             time_limit_without_checkpoint=end.time_limit if made_none else None,
             message=f"{said}: killed at its time limit{limit} before it could checkpoint; {kept}",
         )

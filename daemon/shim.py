@@ -34,9 +34,10 @@ SIGTERM/SIGINT/SIGHUP so that it can record the command's exit; it uses a handle
 SIG_IGN because an ignored signal would stay ignored in the command it execs.
 
 On a Slurm cluster the shim is the batch shell (daemon/launch/slurm.py), which Slurm sends
-SIGUSR1 before the job's time limit: with --pass-usr1 (a command that checkpoints on it, the
-built-in runner) it is passed on to every process of the attempt; otherwise it is only
-recorded (SIGUSR1's default would end the command, and the shim, without a checkpoint).
+SIGUSR1 before the job's time limit: with --pass-usr1 it is passed on to every process of the
+attempt (the runner checkpoints on it, and so does an accelerate script through the bootstrap),
+which starts with SIGUSR1 ignored until it installs a handler of its own (its default would end
+a command that does not handle it, without a checkpoint); otherwise it is only recorded.
 """
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ class Supervisor:
         )
         self.attempts = Attempts(
             store, self.clock, self.launcher, self.lifecycle, self.events, self.secrets, self.jobs,
-            gpus=gpus, stall_seconds=stall_seconds, after=self._after,
+            gpus=gpus, stall_seconds=stall_seconds, after=self._after, pause=self._pause,
         )
         self.scheduler = Scheduler(
             store, self.clock, self.launcher, self.lifecycle, self.events, self.jobs, gpus=gpus, max_parallel=max_parallel,
@@ -139,7 +139,10 @@ class Supervisor:
         """What the job does after an attempt ended; a retry after a pause waits in the scheduler."""
         decision = self.lifecycle.after_attempt(job, outcome, self.jobs.spec(job), stopping=self.stopping)
         if isinstance(decision, Retry) and decision.after_seconds > 0:
-            self.scheduler.not_before[job.id] = self.clock.monotonic() + decision.after_seconds
+            self._pause(job.id, decision.after_seconds)
+
+    def _pause(self, job_id: int, seconds: float) -> None:
+        self.scheduler.not_before[job_id] = self.clock.monotonic() + seconds
 
     # Cancelling and stopping ----------------------------------------------------------------
 

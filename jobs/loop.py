@@ -192,9 +192,10 @@ class AttemptRun:
         signalled_at = self.control.time_limit_signal_at
         if signalled_at is None:
             return Outcome(kind="interrupted", step=self.progress.step, message="stopped on request (SIGTERM) after a checkpoint")
+        kept = "after a checkpoint" if self.progress.last_checkpoint == self.progress.step else "with nothing new to checkpoint"
         return Outcome(
             kind="time_limit", step=self.progress.step,
-            message=f"the cluster's time limit is near (SIGUSR1): stopped at step {self.progress.step} after a checkpoint, "
+            message=f"the cluster's time limit is near (SIGUSR1): stopped at step {self.progress.step} {kept}, "
             f"{time.monotonic() - signalled_at:.1f} s after the signal",
         )
 

@@ -102,14 +102,26 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
 
 def _continues(outcome: Outcome) -> bool:
     """Not the job's doing, and nothing lost: an interruption, or a time limit reached after
-    a checkpoint."""
-    return outcome.kind == "interrupted" or (outcome.kind == "time_limit" and outcome.time_limit_without_checkpoint is None)
+    the attempt trained and checkpointed (one that came before it trained a step costs a try:
+    a job must not go round for ever without moving)."""
+    if outcome.kind == "interrupted":
+        return True
+    return outcome.kind == "time_limit" and outcome.time_limit_without_checkpoint is None and _moved(outcome)
+
+
+def _moved(outcome: Outcome) -> bool:
+    return outcome.step > (outcome.resumed_from or 0)
 
 
 def _after_time_limit(outcome: Outcome, plan: Plan) -> Retry:
     """A cluster's time limit: the next attempt goes on with the same plan (no rung); one that
     passed without a checkpoint made in the attempt makes the next ones checkpoint more often."""
     limit = outcome.time_limit_without_checkpoint
+    if limit is None and not _moved(outcome):
+        return Retry(
+            reason=f"the cluster's time limit came before the attempt trained a step (Slurm may signal up to a minute early); the next "
+            f"attempt tries again from step {outcome.step} with the same plan [{plan.short()}]",
+        )
     if limit is None:
         return Retry(reason=f"the cluster's time limit came at step {outcome.step}, after a checkpoint; the next attempt goes on from it with the same plan [{plan.short()}]")
     # Three checkpoints per time limit: at most a third of an attempt is lost when the signal

@@ -102,12 +102,15 @@ class NoGpus(OomguardError, RuntimeError):
 
 
 class LaunchFailed(OomguardError):
-    """An attempt could not be started at all; ``fix`` says what an installer must do."""
+    """An attempt could not be started at all; ``fix`` says what an installer must do.
+    ``retry_after``: it may start later (a cluster's controller that does not answer now): the
+    job waits this many seconds instead of failing."""
 
-    def __init__(self, why: str, fix: str) -> None:
+    def __init__(self, why: str, fix: str, *, retry_after: float | None = None) -> None:
         super().__init__(why)
         self.why = why
         self.fix = fix
+        self.retry_after = retry_after
 
 
 class CheckpointError(OomguardError):

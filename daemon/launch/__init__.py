@@ -55,9 +55,6 @@ class LaunchRequest:
     resources: Resources = Resources()
     # How the attempt is named where a scheduler lists it ("oomguard-JOB-ATTEMPT").
     label: str = "oomguard"
-    # Its command checkpoints and ends "time_limit" on SIGUSR1 (the built-in runner), which a
-    # scheduler sends before the time limit; a command that does not is not sent it.
-    checkpoints_on_usr1: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,14 @@ ENDED_STATES = frozenset({
 })
 # How long one call of Slurm's CLI may take before the daemon gives up on it for this tick.
 CLI_SECONDS = 30.0
+# sbatch's answers that pass (the controller down or busy, a limit on jobs queued at once): the
+# attempt is submitted again this long after, instead of failing the job.
+_TRANSIENT = re.compile(
+    r"Unable to contact slurm controller|Socket timed out|Connection refused|Communication connection failure|Zero Bytes were "
+    r"transmitted|temporarily unable|MaxSubmitJob|job submit limit",
+    re.IGNORECASE,
+)
+SUBMIT_RETRY_SECONDS = 60.0
 # Ends the attempt's configuration in the batch script (JSON never has this line).
 _CONFIG_END = "OOMGUARD_ATTEMPT_CONFIG"
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z][\w/:]*)=")
@@ -93,9 +101,17 @@ class SlurmLauncher:
                 argv, input=script, capture_output=True, text=True, env=submit_environment(request.env, os.environ), cwd="/",
                 timeout=CLI_SECONDS, **spawn_options(request.owner),
             )
+        except subprocess.TimeoutExpired:
+            raise LaunchFailed(
+                f"sbatch did not answer within {CLI_SECONDS:.0f} s", "nothing: it is submitted again later", retry_after=SUBMIT_RETRY_SECONDS,
+            ) from None
         except (OSError, subprocess.SubprocessError) as error:
             raise LaunchFailed(f"cannot run sbatch as {request.owner.name}: {error}", f"let {request.owner.name} run {self.tools['sbatch']}") from None
         job_id = result.stdout.strip().split(";")[0]
+        if result.returncode != 0 and _TRANSIENT.search(result.stderr):
+            raise LaunchFailed(
+                f"sbatch could not submit it now: {_last_line(result.stderr)}", "nothing: it is submitted again later", retry_after=SUBMIT_RETRY_SECONDS,
+            )
         if result.returncode != 0 or not job_id.isdigit():
             raise LaunchFailed(
                 f"sbatch refused the attempt: {_last_line(result.stderr) or result.stdout.strip() or f'exit code {result.returncode}'}",
@@ -116,9 +132,22 @@ class SlurmLauncher:
                 if comment == handle.attempt_dir and job_id.strip().isdigit():
                     handle = Handle(handle.attempt_dir, None, None, job_id.strip())
                     break
+        elif not self._owned_by(handle.scheduler_id, owner_uid):
+            # The recorded id names another user's job (a cluster that lost its state numbers
+            # jobs anew): never taken for the attempt, which Slurm has forgotten.
+            return Handle(handle.attempt_dir, None, None, None)
         if handle.scheduler_id is not None:
             self._watch(handle.scheduler_id, None)
         return handle
+
+    def _owned_by(self, job_id: str, owner_uid: int) -> bool:
+        """Is Slurm's job ``job_id`` the owner's (True too when Slurm no longer knows it: then
+        nothing else is either)?"""
+        details = self.details(job_id)
+        if details is None:
+            return True
+        match = re.search(r"\((\d+)\)$", details.get("UserId", ""))
+        return match is not None and int(match.group(1)) == owner_uid
 
     def _watch(self, job_id: str, state: QueueState | None) -> None:
         self._watched.add(job_id)
@@ -235,8 +264,9 @@ def batch_script(request: LaunchRequest, python: str) -> str:
     options = ["--workdir", str(request.workdir)]
     if request.cwd:
         options += ["--cwd", request.cwd]
-    if request.checkpoints_on_usr1:
-        options.append("--pass-usr1")
+    # Slurm's SIGUSR1 reaches the batch shell only: the runner, and an accelerate script
+    # through the bootstrap, checkpoint on it (a command that does not handle it ignores it).
+    options.append("--pass-usr1")
     shim = [python, "-m", SHIM_MODULE, str(request.attempt_dir), *options, "--", *request.argv]
     config = request.stdin.decode()
     if _CONFIG_END in config.splitlines():

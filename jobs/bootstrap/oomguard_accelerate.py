@@ -37,6 +37,7 @@ import weakref
 
 import oomguard_imports
 import oomguard_progress
+import oomguard_time_limit
 from oomguard_imports import guarded
 
 SIDECAR = "oomguard.json"
@@ -252,6 +253,7 @@ def _patch_accelerator(module):
 
     @functools.wraps(original_backward)
     def backward(self, loss, *args, **kwargs):
+        oomguard_time_limit.before_backward(self)  # a cluster's time limit near: checkpoint and stop here
         oomguard_progress.last_loss = loss.detach()
         return original_backward(self, loss, *args, **kwargs)
 

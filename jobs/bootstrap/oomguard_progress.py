@@ -66,6 +66,11 @@ def current_step():
     return _STATE.step
 
 
+def resumed_from():
+    """The job's step the script resumed from in this process (None: it started afresh)."""
+    return _STATE.resumed_from
+
+
 def resumed(step):
     """The script loaded the checkpoint of the job's step ``step``."""
     _STATE.step = step

@@ -12,7 +12,8 @@ library unless device memory is emulated (tests, where the script runs on oomgua
   optimizer steps); under oomguard (an attempt directory set) it is also reported to the
   daemon (oomguard_progress.py), and what accelerate restores from a checkpoint is corrected for the
   relaunch's split (oomguard_accelerate.py); library warnings that say nothing to act on are
-  kept out of the job log (oomguard_noise.py).
+  kept out of the job log (oomguard_noise.py); SIGUSR1 before a cluster's time limit makes an
+  accelerate script checkpoint and stop (oomguard_time_limit.py).
 - Then the sitecustomize this one hides, if any, runs as before."""
 
 import os
@@ -22,6 +23,7 @@ import oomguard_accelerate
 import oomguard_noise
 import oomguard_progress
 import oomguard_ranks
+import oomguard_time_limit
 
 
 def _run_the_hidden_sitecustomize() -> None:
@@ -65,4 +67,5 @@ if EMULATED or UNDER_OOMGUARD:
 if UNDER_OOMGUARD:
     oomguard_noise.quiet_optional_kernel_warnings()
     oomguard_accelerate.install()
+    oomguard_time_limit.install()
 _run_the_hidden_sitecustomize()

@@ -1,7 +1,8 @@
 """The daemon on a real Slurm cluster (tests/slurm_cluster.py: slurmctld, slurmd and munged on
 this machine, fake GPUs as gres): each attempt one sbatch, OOMs resubmitted with the doctor's
-plan, a time limit turned into a continuation, a job over its --mem given more, a killed
-daemon's attempts adopted by their Slurm job ids, and cancels from either side.
+plan, a job over its --mem given more, a killed daemon's attempts adopted by their Slurm job
+ids, and cancels from either side. The time limit's continuation, which takes minutes, is in
+test_slurm_time_limit.py (a worker and a cluster of its own).
 
 Skipped, with the reason, where no cluster can start (not root, Slurm not installed)."""
 
@@ -12,7 +13,6 @@ import os
 import pwd
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -23,39 +23,10 @@ from oomguard.daemon.launch import Handle, LaunchRequest
 from oomguard.daemon.launch.slurm import SlurmLauncher
 from oomguard.daemon.users import Account
 from tests.e2e.conftest import TINY_CAP, oomguard, wait_for
-from tests.jobs_helpers import TINY_JOB
+from tests.e2e.slurm_jobs import attempts_of, cluster, daemon_config, job_file  # noqa: F401 - cluster is a fixture
 from tests.slurm_cluster import SlurmCluster, slurm_cluster, wait_for_state  # noqa: F401 - slurm_cluster is a fixture
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def cluster(slurm_cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> SlurmCluster:
-    """The module's cluster, named to the daemon and the CLI this test starts."""
-    for name, value in slurm_cluster.env.items():
-        if name == "SLURM_CONF" or name == "PATH":
-            monkeypatch.setenv(name, value)
-    # Single-threaded runners: several attempts may share the two cores.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    return slurm_cluster
-
-
-def job_file(folder: Path, name: str, *, max_steps: int, checkpoint_every_steps: int = 4, extra: str = "") -> Path:
-    path = folder / f"{name}.toml"
-    text = TINY_JOB.format(name=name, batch_size=8, max_steps=max_steps, checkpoint_every_steps=checkpoint_every_steps, keep_checkpoints=2)
-    path.write_text(text + extra)
-    return path
-
-
-def daemon_config(folder: Path, **slurm: Any) -> Path:
-    path = folder / "daemon.toml"
-    lines = ['backend = "slurm"', "[slurm]", "poll_seconds = 0.5", *(f"{key} = {json.dumps(value)}" for key, value in slurm.items())]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def attempts_of(record: dict[str, Any]) -> list[dict[str, Any]]:
-    return record["attempts"]
 
 
 def test_an_oom_is_resubmitted_with_the_doctors_plan_and_ends_with_the_weights_of_a_local_run(tmp_path: Path, daemon_factory, cluster) -> None:
@@ -85,40 +56,6 @@ def test_an_oom_is_resubmitted_with_the_doctors_plan_and_ends_with_the_weights_o
     assert on_slurm.keys() == uninterrupted.keys()
     for key in on_slurm:
         assert torch.allclose(on_slurm[key], uninterrupted[key], rtol=1e-5, atol=1e-6), key
-
-
-def test_a_time_limit_is_continued_across_slurm_jobs_to_the_target_step_losing_no_step(
-    tmp_path: Path, daemon_factory, cluster, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # At least 0.1 s per step: 700 steps are 70 s of training or more, more than two one-minute
-    # jobs hold once the signal (30 s before the limit, at Slurm's 30 s check) has ended each
-    # (at most 300 steps); no periodic checkpoint.
-    monkeypatch.setenv("OOMGUARD_INJECT_FAULT", "slow_steps@0.1")
-    steps = 700
-    job = job_file(tmp_path, "long", max_steps=steps, checkpoint_every_steps=100_000, extra='\n[resources]\ntime_limit = "1"\n')
-    state = tmp_path / "state"
-    daemon = daemon_factory("--config", str(daemon_config(tmp_path, signal_seconds=30)), state_dir=state)
-    oomguard("submit", str(job), state_dir=state, check=True)
-    record = daemon.wait_job("1", timeout=420)
-
-    assert record["state"] == "finished", daemon.output()
-    attempts = attempts_of(record)
-    assert len(attempts) >= 3, [a["outcome"]["kind"] for a in attempts]
-    assert len({a["scheduler_id"] for a in attempts}) == len(attempts)
-    assert [a["outcome"]["kind"] for a in attempts] == ["time_limit"] * (len(attempts) - 1) + ["finished"]
-    assert attempts[-1]["outcome"]["step"] == steps
-    # Each continuation starts at the step the one before stopped at: nothing lost, nothing twice.
-    lost = [before["outcome"]["step"] - after["outcome"]["resumed_from"] for before, after in zip(attempts, attempts[1:])]
-    assert lost == [0] * (len(attempts) - 1)
-    trained = []
-    for attempt in attempts:
-        trained += [json.loads(line)["step"] for line in (Path(attempt["directory"]) / "metrics.jsonl").read_text().splitlines()]
-    assert trained == list(range(1, steps + 1))
-    continued = [e for e in record["events"] if e["kind"] == "retry" and "time limit" in e["message"]]
-    assert len(continued) == len(attempts) - 1
-    for attempt in attempts[:-1]:
-        assert cluster.job(attempt["scheduler_id"])["TimeLimit"] == "00:01:00"
-    print(f"time limit: {len(attempts)} Slurm jobs, stopped at steps {[a['outcome']['step'] for a in attempts]}, steps lost {lost}")
 
 
 def test_a_job_over_its_mem_ends_as_host_oom_and_is_given_more(tmp_path: Path, daemon_factory, cluster) -> None:
@@ -198,10 +135,12 @@ def test_adoption_by_folder_takes_only_the_owners_job(tmp_path: Path, cluster) -
     comment), among its owner's jobs only: another user's job naming the folder is not it."""
     folder = tmp_path / "wd" / "attempts" / "001"
     nobody = pwd.getpwnam("nobody").pw_uid
-    cluster.run("sbatch", f"--comment={folder}", "--uid=nobody", "-o", "/dev/null", "--wrap", "sleep 30", check=True)
+    theirs = cluster.run("sbatch", "--parsable", f"--comment={folder}", "--uid=nobody", "-o", "/dev/null", "--wrap", "sleep 30", check=True)
     launcher = SlurmLauncher(SlurmConfig(poll_seconds=0.1))
     found = launcher.adopt(Handle(str(folder), None, None), os.getuid())
     assert found.scheduler_id is None  # nobody's job is not ours
+    # Nor when the store names it (a cluster that numbered its jobs anew).
+    assert launcher.adopt(Handle(str(folder), None, None, theirs.stdout.strip()), os.getuid()).scheduler_id is None
     request = LaunchRequest(
         attempt_dir=folder, argv=("sleep", "30"), env={"PATH": os.environ["PATH"]}, owner=Account.from_uid(os.getuid()), workdir=tmp_path / "wd",
         cwd=None, stdin=b"{}", gpus=None,

@@ -92,3 +92,46 @@ def test_a_signal_that_comes_before_the_runner_is_ready_is_not_its_death(tmp_pat
     assert outcome["kind"] == "time_limit", outcome  # passed on again once it could be heard
     status = json.loads((attempt / EXIT_STATUS).read_text())
     assert status["returncode"] == EXIT_TIME_LIMIT
+
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "unconditional_like_train.py"
+
+
+def test_an_accelerate_script_checkpoints_where_its_resume_finds_it_and_ends_time_limit(tmp_path: Path) -> None:
+    """Through the bootstrap: the script, which knows nothing of the signal, saves
+    checkpoint-N in its output folder at the step after it, ends "time_limit", and a relaunch
+    with --resume_from_checkpoint latest ends where an uninterrupted run ends."""
+    from oomguard.jobs.command import BOOTSTRAP_DIR
+
+    env = {**runner_env(), "PYTHONPATH": str(BOOTSTRAP_DIR)}
+    arguments = ["--num_epochs", "40", "--checkpointing_steps", "1000", "--resume_from_checkpoint", "latest"]
+
+    def run(attempt: Path, output: Path, *, signal_at_step: int | None) -> str:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "oomguard.daemon.shim", str(attempt), "--pass-usr1", "--", sys.executable, str(SCRIPT), "--output_dir", str(output), *arguments],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, env=env,
+        )
+        assert process.stdin is not None
+        process.stdin.close()
+        if signal_at_step is not None:
+            wait_until(lambda: process.poll() is not None or f"step={signal_at_step}]" in _log(attempt), 120, "the script to train")
+            process.send_signal(signal.SIGUSR1)
+        assert process.wait(timeout=180) == 0
+        return _log(attempt)
+
+    uninterrupted = run(tmp_path / "plain", tmp_path / "plain-out", signal_at_step=None)
+    stopped = run(tmp_path / "a1", tmp_path / "out", signal_at_step=3)
+    outcome = json.loads((tmp_path / "a1" / OUTCOME).read_text())
+    assert outcome["kind"] == "time_limit", stopped
+    step = outcome["step"]
+    assert step >= 3 and (tmp_path / "out" / f"checkpoint-{step}" / "oomguard.json").is_file()
+    assert json.loads((tmp_path / "a1" / EXIT_STATUS).read_text())["returncode"] == EXIT_TIME_LIMIT
+    resumed = run(tmp_path / "a2", tmp_path / "out", signal_at_step=None)
+    assert f"Resuming from checkpoint checkpoint-{step}" in resumed
+    done = [line for line in uninterrupted.splitlines() if line.startswith("done:")]
+    assert done and done == [line for line in resumed.splitlines() if line.startswith("done:")]
+
+
+def _log(attempt: Path) -> str:
+    path = attempt / "output.log"
+    return path.read_text() if path.exists() else ""

@@ -10,6 +10,7 @@ import re
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
 
 
 def main() -> None:
@@ -26,7 +27,11 @@ def main() -> None:
     parser.add_argument("--use_ema", action="store_true", help="keep EMA weights on the main process (it samples from them)")
     args = parser.parse_args()
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision, cpu=True)
+    # As diffusers' examples make it: the output folder is the project's (save_state's default place).
+    project = ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "logs"))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision, cpu=True, project_config=project,
+    )
     torch.manual_seed(args.seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.SiLU(), torch.nn.Linear(256, 256), torch.nn.SiLU(), torch.nn.Linear(256, 64))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

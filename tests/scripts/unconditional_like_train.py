@@ -36,6 +36,7 @@ TORCH_AVAILABLE = importlib.util.find_spec("torch") is not None
 
 import torch  # noqa: E402
 from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
 from diffusers.optimization import get_scheduler
 
 
@@ -100,7 +101,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision, cpu=True)
+    # As diffusers' examples make it: the output folder is the project's (save_state's default place).
+    project = ProjectConfiguration(project_dir=args.output_dir, logging_dir=os.path.join(args.output_dir, "logs"))
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision, cpu=True, project_config=project,
+    )
     model = build_model(args)
     image = (3, args.resolution, args.resolution) if args.pretrained_model_name_or_path else (48,)
     loader = torch.utils.data.DataLoader(Images(args.dataset_size, image, args.seed), batch_size=args.train_batch_size, shuffle=True)

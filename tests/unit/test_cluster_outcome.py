@@ -38,7 +38,7 @@ def test_over_its_mem_is_a_host_oom_with_the_limit(tmp_path: Path) -> None:
         ({"step": 30, "last_checkpoint": 25, "resumed_from": 10}, None, 25),  # checkpointed in the attempt
         ({"step": 30, "last_checkpoint": 10, "resumed_from": 10}, 60, 10),  # none since it resumed
         ({"step": 3, "last_checkpoint": None, "resumed_from": None}, 60, 0),  # none at all
-        ({"step": 30}, None, 0),  # a script's heartbeat: its checkpoints are its own
+        ({"step": 30, "resumed_from": 10}, None, 30),  # a script's heartbeat: its checkpoints are its own; how far it got
     ],
 )
 def test_a_time_limit_without_a_report_says_whether_the_attempt_made_a_checkpoint(tmp_path: Path, heartbeat, without_checkpoint, step) -> None:

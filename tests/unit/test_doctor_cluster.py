@@ -26,6 +26,14 @@ def test_a_time_limit_after_a_checkpoint_goes_on_with_the_same_plan_and_costs_no
     assert "same plan [mb=16x1]" in decision.reason
 
 
+def test_a_time_limit_before_the_attempt_trained_a_step_is_tried_again_but_costs_a_try() -> None:
+    # Slurm may send its signal up to a minute early: an attempt can stop before its first step.
+    early = Outcome(kind="time_limit", step=20, resumed_from=20)
+    decision = decide(early, PLAN, history(early), POLICY)
+    assert isinstance(decision, Retry) and "before the attempt trained a step" in decision.reason
+    assert isinstance(decide(early, PLAN, history(early, early, early), POLICY), GiveUp)
+
+
 def test_a_time_limit_without_a_checkpoint_makes_the_next_attempts_checkpoint_more_often_and_counts() -> None:
     limit = Outcome(kind="time_limit", step=0, time_limit_without_checkpoint=3600)
     decision = decide(limit, PLAN, history(limit), POLICY)

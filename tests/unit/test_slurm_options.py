@@ -19,7 +19,7 @@ def request(tmp_path: Path, resources: Resources = Resources(), **changes) -> La
     values = dict(
         attempt_dir=tmp_path / "wd" / "attempts" / "001", argv=("python", "-m", "oomguard.jobs.run", str(tmp_path / "wd" / "attempts" / "001")),
         env={"PATH": "/usr/bin"}, owner=Account.from_uid(os.getuid()), workdir=tmp_path / "wd", cwd=None, stdin=b'{\n  "number": 1\n}',
-        gpus=None, resources=resources, label="oomguard-3-1", checkpoints_on_usr1=True,
+        gpus=None, resources=resources, label="oomguard-3-1",
     )
     values.update(changes)
     return LaunchRequest(**values)
@@ -64,8 +64,6 @@ def test_the_batch_script_execs_the_shim_with_the_config_on_its_standard_input(t
     assert command[:6] == ["exec", "/venv/bin/python", "-m", "oomguard.daemon.shim", attempt, "--workdir"]
     assert command[7:11] == ["--cwd", "/data/my scripts", "--pass-usr1", "--"]
     assert lines[3:] == ["{", '  "number": 1', "}", "OOMGUARD_ATTEMPT_CONFIG"]
-    # A command job's script is not sent SIGUSR1 (its default would end it).
-    assert "--pass-usr1" not in batch_script(request(tmp_path, checkpoints_on_usr1=False), "/venv/bin/python")
 
 
 def test_sbatch_gets_the_attempts_environment_and_where_the_cluster_is_but_not_a_jobs_variables() -> None:

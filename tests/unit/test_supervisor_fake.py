@@ -201,6 +201,21 @@ def test_an_attempt_that_cannot_be_launched_fails_its_job_saying_how_to_fix_it(b
     assert box.store.attempts(job_id)[0].outcome_kind == "crashed"
 
 
+def test_a_launch_that_may_work_later_waits_and_starts_again_without_using_a_try(box: Box) -> None:
+    box.launcher.fail_with = LaunchFailed("sbatch could not submit it now: Unable to contact slurm controller", "nothing", retry_after=60.0)
+    box.launcher.failures_left = 1
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "patient")
+    supervisor.drain()
+    job = box.store.job(job_id)
+    assert job.state == "queued" and job.waiting is not None and "trying again in 60 s" in job.waiting
+    assert [a.outcome_kind for a in box.store.attempts(job_id)] == ["interrupted"]
+    assert box.launcher.started == []  # not again before the pause is over
+    box.clock.advance(61)
+    supervisor.drain()
+    assert box.store.job(job_id).state == "running" and len(box.launcher.started) == 1
+
+
 def test_a_job_that_cannot_start_leaves_its_slot_to_the_next_in_the_same_pass(box: Box) -> None:
     box.launcher.fail_with = LaunchFailed("cannot start the attempt's shim (python) as me: Permission denied", "let me run python")
     box.launcher.failures_left = 1
