@@ -91,7 +91,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         say(f"  result: {record['result']}")
     for attempt in record["attempts"]:
         outcome = attempt["outcome"] or {}
-        say(f"  attempt {attempt['number']}: [{short_plan(attempt['plan'])}] {_how_it_ended(outcome)}")
+        where = f" (Slurm job {attempt['scheduler_id']})" if attempt.get("scheduler_id") else ""
+        say(f"  attempt {attempt['number']}{where}: [{short_plan(attempt['plan'])}] {_how_it_ended(outcome)}")
         if attempt["rung"] or attempt["reason"]:
             say(f"    why: {attempt['rung'] or 'retry'}: {attempt['reason']}")
         _print_runner_record(outcome)
@@ -107,7 +108,7 @@ def _how_it_ended(outcome: dict[str, Any]) -> str:
     if not outcome:
         return "running"
     ended = f"{outcome.get('kind')} at step {outcome.get('step')}"
-    if outcome.get("kind") in ("crashed", "host_oom", "diverged"):
+    if outcome.get("kind") in ("crashed", "host_oom", "diverged", "time_limit", "cancelled"):
         try:
             summary = Outcome.from_dict(outcome).summary
         except (TypeError, ValueError, AttributeError):  # stored by an oomguard that took any outcome.json
