@@ -19,7 +19,7 @@ from oomguard.daemon.clock import Clock
 from oomguard.daemon.conclude import conclude, ended_summary
 from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.job_secrets import with_env
-from oomguard.daemon.launch import Exit, Handle, Launcher, LaunchRequest, QueueState, Resources
+from oomguard.daemon.launch import NEVER_STARTS, Exit, Handle, Launcher, LaunchRequest, QueueState, Resources
 from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.placement import Placement
@@ -110,6 +110,8 @@ class Attempts:
         self.after = after  # what the job does next, once its attempt's end is recorded
         self.pause = pause  # the job starts again no earlier than this many seconds from now
         self.running: dict[int, Running] = {}
+        # When a batch scheduler was first seen running each attempt (clock.time()).
+        self.ran_from: dict[int, float] = {}
 
     def files_of(self, attempt: AttemptRow) -> AttemptFiles:
         return files_of(self.store, attempt)
@@ -294,12 +296,16 @@ class Attempts:
         attempt = self.store.attempt(attempt_id)
         if self.launcher.running(running.handle):
             queued = self._note_queue_state(attempt, running.handle)
+            if queued is not None and queued.state == "PENDING" and queued.reason in NEVER_STARTS:
+                self._never_starts(attempt, running, queued)
+                return
             self._enforce_stop_deadline(attempt)
             self._report_live_recoveries(attempt)
             if queued is None or queued.state == "RUNNING":  # waiting in a cluster's queue is not a stall
                 self._check_stalled(attempt)
             return
         del self.running[attempt_id]
+        self.ran_from.pop(attempt_id, None)
         uid = owner_uid(self.store.job(attempt.job_id))
         with self.files_of(attempt) as files:
             ended = self.launcher.collect(running.handle, uid, files)
@@ -316,6 +322,8 @@ class Attempts:
         if (queued.state, queued.reason, queued.restarts) == known:
             return queued
         self.store.update_attempt(attempt.id, scheduler_state=queued.state, scheduler_reason=queued.reason, scheduler_restarts=queued.restarts)
+        if queued.state == "RUNNING" and known[0] != "RUNNING":
+            self.ran_from[attempt.id] = self.clock.time()  # its silence counts from here, not from its submission
         if queued.restarts > known[2]:
             job = self.store.job(attempt.job_id)
             self.events.event(
@@ -325,10 +333,26 @@ class Attempts:
             )
         return queued
 
+    def _never_starts(self, attempt: AttemptRow, running: Running, queued: QueueState) -> None:
+        """A pending attempt the cluster will never start as it was asked (its time limit over
+        the partition's, an invalid account, ...): cancelled, and the job fails saying what to
+        change, rather than waiting in the queue for ever."""
+        self.launcher.stop(running.handle, kill=True)
+        del self.running[attempt.id]
+        job = self.store.job(attempt.job_id)
+        why = f"Slurm will never start job {running.handle.scheduler_id} as it was submitted (pending: {queued.reason}): {NEVER_STARTS[queued.reason]}"
+        with self.store.atomic():
+            self.lifecycle.end_attempt(attempt.id, Outcome(kind="crashed", message=why))
+            self.lifecycle.end(
+                job, State.FAILED, why, next_step=f"nothing: the job has ended; change what the reason names, and submit it again",
+                code="never_starts", data={"attempt": attempt.number, "reason": queued.reason},
+            )
+
     def _check_stalled(self, attempt: AttemptRow) -> None:
         with self.files_of(attempt) as files:
             written = files.mtime(HEARTBEAT)
-        last = max(written, attempt.started_at) if written is not None else attempt.started_at
+        began = max(attempt.started_at, self.ran_from.get(attempt.id, 0.0))  # a cluster's queue is not a stall
+        last = max(written, began) if written is not None else began
         silent = self.clock.time() - last
         if silent < self.stall_seconds:
             if attempt.stalled_at:

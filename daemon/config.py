@@ -36,10 +36,13 @@ _SLURM_KEYS = (
     "partition", "account", "qos", "time_limit", "signal_seconds", "host_memory", "max_host_memory", "cpus", "gpu_type", "extra_options",
     "max_jobs", "poll_seconds",
 )
-# sbatch options oomguard sets itself for each attempt: an extra option must not change them.
+# sbatch options oomguard sets itself for each attempt (long and short forms), and those that
+# would break how it follows one: an extra option must not be one of them.
 OWN_OPTIONS = (
-    "--gres", "--gpus", "--mem", "--cpus-per-task", "--time", "--requeue", "--no-requeue", "--signal", "--output", "--error",
-    "--job-name", "--comment", "--export", "--parsable", "--wrap", "--chdir", "--partition", "--account", "--qos",
+    "--gres", "--gpus", "--gpus-per-node", "--gpus-per-task", "-G", "--mem", "--mem-per-cpu", "--mem-per-gpu", "--cpus-per-task", "-c",
+    "--time", "-t", "--requeue", "--no-requeue", "--signal", "--output", "-o", "--error", "-e", "--open-mode", "--job-name", "-J",
+    "--comment", "--export", "--parsable", "--wrap", "--chdir", "-D", "--partition", "-p", "--account", "-A", "--qos", "-q",
+    "--array", "-a", "--hold", "-H", "--test-only", "--wait", "-W", "--uid", "--gid",
 )
 
 
@@ -113,11 +116,12 @@ def _slurm(table: Mapping[str, Any], where: str) -> SlurmConfig:
     if not isinstance(extra, list) or not all(isinstance(option, str) and option.startswith("-") for option in extra):
         raise ConfigError(f'{where}: slurm.extra_options: expected a list of sbatch options such as ["--constraint=ampere"]')
     for option in extra:
-        name = option.split("=", 1)[0]
+        # "--mem=4G", or a short option with its value joined ("-t60", "-pgpu").
+        name = option.split("=", 1)[0] if option.startswith("--") else option[:2]
         if name in OWN_OPTIONS:
             raise ConfigError(
                 f"{where}: slurm.extra_options: {name} is set by oomguard for each attempt (from the job file's [resources] and "
-                "this file's keys); drop it from extra_options"
+                "this file's keys) or would stop it following the attempt; drop it from extra_options"
             )
     return SlurmConfig(
         partition=read.name("partition"), account=read.name("account"), qos=read.name("qos"), time_limit=time_limit,

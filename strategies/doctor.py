@@ -79,7 +79,7 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
         policy = dataclasses.replace(policy, allow=tuple(name for name in policy.allow if name not in unsafe), unsafe=unsafe)
     # Interruptions and neighbours' spikes are not the job's doing: they do not use up its tries.
     # A time limit reached after a checkpoint is a continuation: it costs no try either.
-    counted = [past for past in history if not _continues(past.outcome) and contention_of(past) is None]
+    counted = [past for at, past in enumerate(history) if not _continues(past.outcome, history[:at]) and contention_of(past) is None]
     if len(counted) >= policy.max_attempts:
         return give_up(f"{len(counted)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}", history, policy)
     if outcome.kind == "interrupted":
@@ -100,13 +100,18 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
     raise ValueError(f"no decision to make after an attempt that ended {outcome.kind!r}")
 
 
-def _continues(outcome: Outcome) -> bool:
+def _continues(outcome: Outcome, earlier: Sequence[PastAttempt]) -> bool:
     """Not the job's doing, and nothing lost: an interruption, or a time limit reached after
-    the attempt trained and checkpointed (one that came before it trained a step costs a try:
-    a job must not go round for ever without moving)."""
+    the attempt trained and checkpointed, from further on than any time limit before it. One
+    that trained nothing, or that resumed where an earlier one did (a script whose own
+    checkpoints are rarer than its time limit), costs a try: a job must not go round for ever
+    without moving."""
     if outcome.kind == "interrupted":
         return True
-    return outcome.kind == "time_limit" and outcome.time_limit_without_checkpoint is None and _moved(outcome)
+    if outcome.kind != "time_limit" or outcome.time_limit_without_checkpoint is not None or not _moved(outcome):
+        return False
+    before = [past.outcome.resumed_from or 0 for past in earlier if past.outcome.kind == "time_limit"]
+    return not before or (outcome.resumed_from or 0) > max(before)
 
 
 def _moved(outcome: Outcome) -> bool:

@@ -62,6 +62,8 @@ class FakeLauncher:
         self.fail_with: LaunchFailed | None = None  # start() raises it
         self.failures_left: int | None = None  # with fail_with: how many starts fail (None: every one)
         self._alive: set[str] = set()
+        # Where a batch scheduler has each attempt, as a test sets it (by attempt folder).
+        self.queue: dict[str, QueueState] = {}
         self._exits: dict[str, Exit] = {}
         self._pids = itertools.count(10_000)
 
@@ -83,7 +85,7 @@ class FakeLauncher:
         return handle.attempt_dir in self._alive
 
     def queue_state(self, handle: Handle) -> QueueState | None:
-        return None
+        return self.queue.get(handle.attempt_dir)
 
     def collect(self, handle: Handle, owner_uid: int, files: AttemptFiles) -> Exit:
         return self._exits.pop(handle.attempt_dir, Exit(returncode=None, recorded=False))

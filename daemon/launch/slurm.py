@@ -39,17 +39,16 @@ from oomguard.strategies.units import format_bytes, format_time_limit, parse_tim
 
 TOOLS = ("sbatch", "squeue", "scontrol", "scancel")
 # A job in one of these states has ended (squeue --states=all lists it for MinJobAge after).
-ENDED_STATES = frozenset({
-    "COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY",
-    "SPECIAL_EXIT", "REVOKED",
-})
+# (SPECIAL_EXIT is a held requeue an administrator may release; REVOKED, a federated sibling
+# that may run elsewhere: neither has ended for good, and status shows them.)
+ENDED_STATES = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"})
 # How long one call of Slurm's CLI may take before the daemon gives up on it for this tick.
 CLI_SECONDS = 30.0
 # sbatch's answers that pass (the controller down or busy, a limit on jobs queued at once): the
 # attempt is submitted again this long after, instead of failing the job.
 _TRANSIENT = re.compile(
     r"Unable to contact slurm controller|Socket timed out|Connection refused|Communication connection failure|Zero Bytes were "
-    r"transmitted|temporarily unable|MaxSubmitJob|job submit limit",
+    r"transmitted|temporarily unable|MaxSubmitJob",
     re.IGNORECASE,
 )
 SUBMIT_RETRY_SECONDS = 60.0
@@ -71,19 +70,26 @@ class SlurmLauncher:
         self.clock = clock
         missing = [name for name in TOOLS if shutil.which(name) is None]
         if missing:
-            raise NoSlurm(f"Slurm's {', '.join(missing)} not found on PATH: install Slurm's client commands (Debian: slurm-client)")
+            raise NoSlurm(
+                f"Slurm's {', '.join(missing)} not found on PATH ({os.environ.get('PATH', '')}): install Slurm's client commands "
+                "(Debian: slurm-client), or put their folder on the daemon's PATH (a systemd unit: Environment=PATH=...)"
+            )
         self.tools = {name: str(shutil.which(name)) for name in TOOLS}
+        # Accounting, where the cluster has it: how a job ended after the controller forgot it.
+        self.sacct = shutil.which("sacct")
+        if self.sacct is not None:
+            self.tools["sacct"] = self.sacct
         self._watched: set[str] = set()
         self._states: dict[str, QueueState] = {}
+        self._owners: dict[str, int] = {}  # each watched job's owner: scancel acts on the owner's jobs only
         self._polled_at = -math.inf
         self._poll_ok = False
 
     def check(self) -> None:
         """The controller answers (NoSlurm otherwise): said when the daemon starts, not at the first job."""
-        try:
-            result = self._cli(["squeue", "-h", "-j", "0"])
-        except (OSError, subprocess.SubprocessError) as error:
-            raise NoSlurm(f"squeue did not answer: {error}") from None
+        result = self._cli(["squeue", "-h", "-j", "0"])
+        if result is None:
+            raise NoSlurm(f"squeue did not answer within {CLI_SECONDS:.0f} s; check SLURM_CONF and slurmctld")
         if result.returncode != 0 and "Invalid job id" not in result.stderr:
             raise NoSlurm(f"squeue cannot reach the Slurm controller: {_last_line(result.stderr)}; check SLURM_CONF and slurmctld")
 
@@ -102,47 +108,58 @@ class SlurmLauncher:
                 timeout=CLI_SECONDS, **spawn_options(request.owner),
             )
         except subprocess.TimeoutExpired:
-            raise LaunchFailed(
-                f"sbatch did not answer within {CLI_SECONDS:.0f} s", "nothing: it is submitted again later", retry_after=SUBMIT_RETRY_SECONDS,
-            ) from None
+            result = None
         except (OSError, subprocess.SubprocessError) as error:
             raise LaunchFailed(f"cannot run sbatch as {request.owner.name}: {error}", f"let {request.owner.name} run {self.tools['sbatch']}") from None
-        job_id = result.stdout.strip().split(";")[0]
-        if result.returncode != 0 and _TRANSIENT.search(result.stderr):
+        job_id = result.stdout.strip().split(";")[0] if result is not None else ""
+        if result is None or (result.returncode != 0 and _TRANSIENT.search(result.stderr)):
+            # The controller may have taken the job before the answer was lost: look for it
+            # (by its folder, among the owner's) before the attempt is given up and submitted
+            # again, or two trainings would share the workdir.
+            found = self._find_by_folder(str(request.attempt_dir), request.owner.uid)
+            if found is None:
+                said = f"sbatch did not answer within {CLI_SECONDS:.0f} s" if result is None else f"sbatch could not submit it now: {_said(result.stderr)}"
+                raise LaunchFailed(said, "nothing: it is submitted again later", retry_after=SUBMIT_RETRY_SECONDS)
+            job_id = found
+        elif result.returncode != 0 or not job_id.isdigit():
             raise LaunchFailed(
-                f"sbatch could not submit it now: {_last_line(result.stderr)}", "nothing: it is submitted again later", retry_after=SUBMIT_RETRY_SECONDS,
-            )
-        if result.returncode != 0 or not job_id.isdigit():
-            raise LaunchFailed(
-                f"sbatch refused the attempt: {_last_line(result.stderr) or result.stdout.strip() or f'exit code {result.returncode}'}",
+                f"sbatch refused the attempt: {_said(result.stderr) or result.stdout.strip() or f'exit code {result.returncode}'}",
                 "change the job file's [resources] (gpus, host_memory, cpus, time_limit, gpu_type) or the daemon config's [slurm] "
                 "so that the cluster can run it",
             )
+        self._owners[job_id] = request.owner.uid
         self._watch(job_id, QueueState("PENDING", None, 0))
         return Handle(str(request.attempt_dir), None, None, job_id)
 
     def adopt(self, handle: Handle, owner_uid: int) -> Handle:
         if handle.scheduler_id is None:
             # Recorded just before sbatch returned: its job, if it was submitted, names the
-            # attempt's folder in its comment. Only the owner's jobs are looked at: anyone
-            # may put that folder in a comment of their own.
-            result = self._cli(["squeue", "-h", "--states=all", "-u", str(owner_uid), "-o", "%i|%k"])
-            for line in result.stdout.splitlines() if result.returncode == 0 else ():
-                job_id, _, comment = line.partition("|")
-                if comment == handle.attempt_dir and job_id.strip().isdigit():
-                    handle = Handle(handle.attempt_dir, None, None, job_id.strip())
-                    break
+            # attempt's folder in its comment.
+            found = self._find_by_folder(handle.attempt_dir, owner_uid)
+            if found is not None:
+                handle = Handle(handle.attempt_dir, None, None, found)
         elif not self._owned_by(handle.scheduler_id, owner_uid):
             # The recorded id names another user's job (a cluster that lost its state numbers
             # jobs anew): never taken for the attempt, which Slurm has forgotten.
             return Handle(handle.attempt_dir, None, None, None)
         if handle.scheduler_id is not None:
+            self._owners[handle.scheduler_id] = owner_uid
             self._watch(handle.scheduler_id, None)
         return handle
 
+    def _find_by_folder(self, attempt_dir: str, owner_uid: int) -> str | None:
+        """The owner's job whose comment is the attempt's folder. Only the owner's jobs are
+        looked at: anyone may put that folder in a comment of their own."""
+        result = self._cli(["squeue", "-h", "--states=all", "-u", str(owner_uid), "-o", "%i|%k"])
+        for line in result.stdout.splitlines() if result is not None and result.returncode == 0 else ():
+            job_id, _, comment = line.partition("|")
+            if comment == attempt_dir and job_id.strip().isdigit():
+                return job_id.strip()
+        return None
+
     def _owned_by(self, job_id: str, owner_uid: int) -> bool:
         """Is Slurm's job ``job_id`` the owner's (True too when Slurm no longer knows it: then
-        nothing else is either)?"""
+        nothing else is either; cancelling it is limited to the owner's jobs all the same)?"""
         details = self.details(job_id)
         if details is None:
             return True
@@ -178,13 +195,11 @@ class SlurmLauncher:
         if not self._watched or now - self._polled_at < self.config.poll_seconds:
             return
         self._polled_at = now
-        try:
-            result = self._cli(["squeue", "-h", "--states=all", "-j", ",".join(sorted(self._watched)), "-o", "%i|%T|%r"])
-        except (OSError, subprocess.SubprocessError):
-            self._poll_ok = False
-            return
-        self._poll_ok = result.returncode == 0
-        if not self._poll_ok:
+        result = self._cli(["squeue", "-h", "--states=all", "-j", ",".join(sorted(self._watched)), "-o", "%i|%T|%r"])
+        # Asked for one job Slurm has forgotten, squeue fails with "Invalid job id" (for several
+        # it leaves the forgotten ones out): an answer, that it is not listed.
+        self._poll_ok = result is not None and (result.returncode == 0 or "Invalid job id" in result.stderr)
+        if not self._poll_ok or result is None:
             return
         listed: dict[str, tuple[str, str | None]] = {}
         for line in result.stdout.splitlines():
@@ -205,14 +220,24 @@ class SlurmLauncher:
             self._states[job_id] = QueueState(seen[0], seen[1], restarts)
 
     def details(self, job_id: str) -> dict[str, str] | None:
-        """``scontrol show job`` of one job as its fields (None: Slurm no longer knows it)."""
-        try:
-            result = self._cli(["scontrol", "show", "job", "-o", job_id])
-        except (OSError, subprocess.SubprocessError):
+        """``scontrol show job`` of one job as its fields; for a job the controller has
+        forgotten (MinJobAge after it ended), what accounting (sacct) keeps of it, where the
+        cluster has accounting; None when neither knows it."""
+        result = self._cli(["scontrol", "show", "job", "-o", job_id])
+        if result is not None and result.returncode == 0 and result.stdout.strip():
+            return parse_fields(result.stdout.strip().splitlines()[0])
+        if self.sacct is None:
             return None
-        if result.returncode != 0 or not result.stdout.strip():
+        accounted = self._cli(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State,Reason,Timelimit,ReqTRES,User,UID"])
+        if accounted is None or accounted.returncode != 0:
             return None
-        return parse_fields(result.stdout.strip().splitlines()[0])
+        for line in accounted.stdout.splitlines():
+            parts = line.split("|")
+            if len(parts) == 7 and parts[0] == job_id:
+                # In scontrol's field names, for one reader ("CANCELLED by 1000" is sacct's state).
+                state, reason, limit, tres, user, uid = parts[1:]
+                return {"JobState": state.split()[0] if state else "", "Reason": reason, "TimeLimit": limit, "ReqTRES": tres, "UserId": f"{user}({uid})"}
+        return None
 
     # Ending --------------------------------------------------------------------------------
 
@@ -221,6 +246,7 @@ class SlurmLauncher:
         if handle.scheduler_id is not None:
             self._watched.discard(handle.scheduler_id)
             self._states.pop(handle.scheduler_id, None)
+            self._owners.pop(handle.scheduler_id, None)
             details = self.details(handle.scheduler_id)
             scheduler = scheduler_end(details)
         # Whatever Slurm says, the shim's exit.json says how the command ended.
@@ -235,13 +261,15 @@ class SlurmLauncher:
         if job_id is None:
             return
         state = self._states.get(job_id)
+        # Only ever the owner's job, whatever the id names by now (the daemon may be root).
+        owner = [f"--user={self._owners[job_id]}"] if job_id in self._owners else []
         if kill or state is None or state.state != "RUNNING":
             # Killed, or never ran (pending): cancelled outright.
-            self._cli(["scancel", job_id])
+            self._cli(["scancel", *owner, job_id])
         else:
             # Every process of the batch job, as a local attempt's whole group: the runner
             # checkpoints and ends "interrupted", the shim records it.
-            self._cli(["scancel", "--full", "--signal=TERM", job_id])
+            self._cli(["scancel", "--full", "--signal=TERM", *owner, job_id])
 
     def restarted_since(self, moment: float) -> bool:
         return False  # a node that restarts under an attempt ends it NODE_FAIL (or requeues it)
@@ -252,10 +280,16 @@ class SlurmLauncher:
     def run_as(self, account: Account, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         return run_as(account, argv, timeout)
 
-    def _cli(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [self.tools[argv[0]], *argv[1:]], capture_output=True, text=True, timeout=CLI_SECONDS, stdin=subprocess.DEVNULL, cwd="/",
-        )
+    def _cli(self, argv: list[str]) -> subprocess.CompletedProcess[str] | None:
+        """One of Slurm's commands; None when it could not run or did not answer in time (the
+        caller tries again at a later tick: a slow controller must not stop the daemon)."""
+        try:
+            return subprocess.run(
+                [self.tools[argv[0]], *argv[1:]], capture_output=True, text=True, timeout=CLI_SECONDS, stdin=subprocess.DEVNULL, cwd="/",
+            )
+        except (OSError, subprocess.SubprocessError) as error:
+            print(f"oomguard: {argv[0]} did not answer: {error}", file=sys.stderr, flush=True)
+            return None
 
 
 def batch_script(request: LaunchRequest, python: str) -> str:
@@ -289,7 +323,9 @@ def sbatch_options(request: LaunchRequest, config: SlurmConfig) -> list[str]:
     if wanted.gpus:
         options.append(f"--gres=gpu:{gpu_type}:{wanted.gpus}" if gpu_type else f"--gres=gpu:{wanted.gpus}")
     host_memory = wanted.host_memory or config.host_memory
-    if host_memory and config.max_host_memory and host_memory > config.max_host_memory:
+    if host_memory and config.max_host_memory and config.max_host_memory < host_memory < 2 * config.max_host_memory:
+        host_memory = config.max_host_memory  # doubled past the most allowed: that most, once
+    elif host_memory and config.max_host_memory and host_memory > config.max_host_memory:
         raise LaunchFailed(
             f"the attempt would ask for {format_bytes(host_memory)} of host memory, more than the "
             f"daemon config's slurm.max_host_memory ({format_bytes(config.max_host_memory)})",
@@ -309,8 +345,12 @@ def sbatch_options(request: LaunchRequest, config: SlurmConfig) -> list[str]:
 def submit_environment(attempt_env: Mapping[str, str], daemon_env: Mapping[str, str]) -> dict[str, str]:
     """sbatch's environment, which the job gets (--export=ALL): the attempt's, with where the
     cluster's configuration is (SLURM_CONF) and none of the variables of a Slurm job the
-    daemon itself may run in (they would describe that job, not this one)."""
-    env = {name: value for name, value in attempt_env.items() if not name.startswith(("SLURM_", "SBATCH_"))}
+    daemon itself may run in (they would describe that job, not this one), nor the GPUs the
+    daemon's machine shows (the job's are Slurm's to set)."""
+    env = {
+        name: value for name, value in attempt_env.items()
+        if not name.startswith(("SLURM_", "SBATCH_")) and name not in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+    }
     if "SLURM_CONF" in daemon_env:
         env["SLURM_CONF"] = daemon_env["SLURM_CONF"]
     return env
@@ -333,7 +373,9 @@ def scheduler_end(details: Mapping[str, str] | None) -> SchedulerEnd:
     reason = details.get("Reason")
     return SchedulerEnd(
         state=details.get("JobState"), reason=None if reason in (None, "None") else reason,
-        time_limit=_time_limit(details.get("TimeLimit")), host_memory=_tres_memory(details.get("TRES")),
+        time_limit=_time_limit(details.get("TimeLimit")),
+        # Slurm 22.05 prints TRES=; later versions AllocTRES= and ReqTRES=.
+        host_memory=next((m for m in (_tres_memory(details.get(k)) for k in ("AllocTRES", "TRES", "ReqTRES")) if m is not None), None),
     )
 
 
@@ -356,6 +398,12 @@ def _tres_memory(text: str | None) -> int | None:
 
 def _int(text: str | None) -> int:
     return int(text) if text and text.isdigit() else 0
+
+
+def _said(text: str) -> str:
+    """What a Slurm command said on standard error, its lines in one (the code that says why is
+    often on the line before the last)."""
+    return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())[:600]
 
 
 def _last_line(text: str) -> str:

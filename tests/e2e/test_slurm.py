@@ -59,8 +59,9 @@ def test_an_oom_is_resubmitted_with_the_doctors_plan_and_ends_with_the_weights_o
 
 
 def test_a_job_over_its_mem_ends_as_host_oom_and_is_given_more(tmp_path: Path, daemon_factory, cluster) -> None:
-    # 100 MiB is less than a Python process with torch loaded: the cgroup's OOM killer ends it.
-    job = job_file(tmp_path, "hungry", max_steps=8, extra='\n[resources]\nhost_memory = "100MiB"\n')
+    # 250 MiB is less than the runner needs (about 375 MiB at its peak, torch loaded): the
+    # cgroup's OOM killer ends it; twice that is enough.
+    job = job_file(tmp_path, "hungry", max_steps=8, extra='\n[resources]\nhost_memory = "250MiB"\n')
     state = tmp_path / "state"
     daemon = daemon_factory("--config", str(daemon_config(tmp_path)), state_dir=state)
     oomguard("submit", str(job), state_dir=state, check=True)
@@ -69,11 +70,11 @@ def test_a_job_over_its_mem_ends_as_host_oom_and_is_given_more(tmp_path: Path, d
     assert record["state"] == "finished", daemon.output()
     attempts = attempts_of(record)
     host_ooms = [a for a in attempts if a["outcome"]["kind"] == "host_oom"]
-    assert host_ooms and host_ooms[0]["outcome"]["host_memory_limit"] == 100 * 2**20
+    assert host_ooms and host_ooms[0]["outcome"]["host_memory_limit"] == 250 * 2**20
     assert cluster.job(host_ooms[0]["scheduler_id"])["JobState"] == "OUT_OF_MEMORY"
     # Each attempt after a host OOM asked Slurm for twice the memory.
     asked = [cluster.job(a["scheduler_id"])["TRES"] for a in attempts]
-    assert [next(item for item in tres.split(",") if item.startswith("mem=")) for tres in asked][:2] == ["mem=100M", "mem=200M"]
+    assert [next(item for item in tres.split(",") if item.startswith("mem=")) for tres in asked][:2] == ["mem=250M", "mem=500M"]
     assert attempts[-1]["outcome"]["kind"] == "finished"
 
 
@@ -141,6 +142,11 @@ def test_adoption_by_folder_takes_only_the_owners_job(tmp_path: Path, cluster) -
     assert found.scheduler_id is None  # nobody's job is not ours
     # Nor when the store names it (a cluster that numbered its jobs anew).
     assert launcher.adopt(Handle(str(folder), None, None, theirs.stdout.strip()), os.getuid()).scheduler_id is None
+    # A job Slurm has forgotten (ended longer than MinJobAge ago), watched alone: it has ended
+    # (squeue answers "Invalid job id" for one id, and leaves it out among several).
+    forgotten = SlurmLauncher(SlurmConfig(poll_seconds=0.1))
+    gone = forgotten.adopt(Handle(str(tmp_path / "old" / "001"), None, None, "999999"), os.getuid())
+    assert gone.scheduler_id == "999999" and forgotten.running(gone) is False
     request = LaunchRequest(
         attempt_dir=folder, argv=("sleep", "30"), env={"PATH": os.environ["PATH"]}, owner=Account.from_uid(os.getuid()), workdir=tmp_path / "wd",
         cwd=None, stdin=b"{}", gpus=None,

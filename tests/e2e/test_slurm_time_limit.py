@@ -20,11 +20,11 @@ pytestmark = pytest.mark.slow
 def test_a_time_limit_is_continued_across_slurm_jobs_to_the_target_step_losing_no_step(
     tmp_path: Path, daemon_factory, cluster, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # At least 0.2 s per step: 350 steps are 70 s of training or more, more than two one-minute
-    # jobs hold once the signal (30 s before the limit, at Slurm's 30 s check) has ended each
-    # (at most 150 steps); no periodic checkpoint.
-    monkeypatch.setenv("OOMGUARD_INJECT_FAULT", "slow_steps@0.2")
-    steps = 350
+    # At least 0.25 s per step: 280 steps are 70 s of training or more. Slurm sends the signal
+    # 30 s before the limit or up to a minute earlier, never later, so a one-minute job trains
+    # 31 s at most (124 steps): two cannot finish it. No periodic checkpoint.
+    monkeypatch.setenv("OOMGUARD_INJECT_FAULT", "slow_steps@0.25")
+    steps = 280
     job = job_file(tmp_path, "long", max_steps=steps, checkpoint_every_steps=100_000, extra='\n[resources]\ntime_limit = "1"\n')
     state = tmp_path / "state"
     daemon = daemon_factory("--config", str(daemon_config(tmp_path, signal_seconds=30)), state_dir=state)

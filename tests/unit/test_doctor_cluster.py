@@ -19,11 +19,20 @@ def history(*outcomes: Outcome) -> list[PastAttempt]:
 
 
 def test_a_time_limit_after_a_checkpoint_goes_on_with_the_same_plan_and_costs_no_try() -> None:
-    limit = Outcome(kind="time_limit", step=40, resumed_from=20)
-    decision = decide(limit, PLAN, history(*[limit] * 10), POLICY)
+    # Ten continuations, each resuming where the one before stopped: no try used up.
+    limits = [Outcome(kind="time_limit", step=20 * (n + 1), resumed_from=20 * n or None) for n in range(10)]
+    decision = decide(limits[-1], PLAN, history(*limits), POLICY)
     assert isinstance(decision, Retry) and decision.after_seconds == 0
     assert decision.host_memory is None and decision.checkpoint_every_seconds is None
     assert "same plan [mb=16x1]" in decision.reason
+
+
+def test_time_limits_that_resume_from_the_same_checkpoint_cost_tries() -> None:
+    # A script whose own checkpoints are rarer than its time limit: killed at the limit each
+    # time after training (it moved), but it always starts again from step 100.
+    stuck = Outcome(kind="time_limit", step=180, resumed_from=100)
+    assert isinstance(decide(stuck, PLAN, history(stuck, stuck), POLICY), Retry)
+    assert isinstance(decide(stuck, PLAN, history(stuck, stuck, stuck, stuck), POLICY), GiveUp)
 
 
 def test_a_time_limit_before_the_attempt_trained_a_step_is_tried_again_but_costs_a_try() -> None:

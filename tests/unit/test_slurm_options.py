@@ -49,8 +49,10 @@ def test_a_percent_in_the_folder_is_not_read_as_a_slurm_pattern(tmp_path: Path) 
     assert f"--output={tmp_path}/100%%/attempts/001/slurm-%j.out" in options
 
 
-def test_more_host_memory_than_the_config_allows_is_refused_with_the_key(tmp_path: Path) -> None:
-    with pytest.raises(LaunchFailed) as raised:
+def test_more_host_memory_than_the_config_allows_is_that_most_once_then_refused_with_the_key(tmp_path: Path) -> None:
+    # Doubled from 3 GiB past the most (4 GiB): the most, once.
+    assert "--mem=4096M" in sbatch_options(request(tmp_path, Resources(host_memory=6 * 2**30)), SlurmConfig(max_host_memory=4 * 2**30))
+    with pytest.raises(LaunchFailed) as raised:  # doubled from the most itself
         sbatch_options(request(tmp_path, Resources(host_memory=8 * 2**30)), SlurmConfig(max_host_memory=4 * 2**30))
     assert "slurm.max_host_memory" in raised.value.why and "raise slurm.max_host_memory" in raised.value.fix
 
@@ -66,8 +68,10 @@ def test_the_batch_script_execs_the_shim_with_the_config_on_its_standard_input(t
     assert lines[3:] == ["{", '  "number": 1', "}", "OOMGUARD_ATTEMPT_CONFIG"]
 
 
-def test_sbatch_gets_the_attempts_environment_and_where_the_cluster_is_but_not_a_jobs_variables() -> None:
-    env = submit_environment({"PATH": "/usr/bin", "SLURM_JOB_ID": "7", "SBATCH_TIMELIMIT": "5", "HF_HOME": "/h"}, {"SLURM_CONF": "/etc/s.conf"})
+def test_sbatch_gets_the_attempts_environment_and_where_the_cluster_is_but_not_a_jobs_variables_nor_gpus() -> None:
+    env = submit_environment(
+        {"PATH": "/usr/bin", "SLURM_JOB_ID": "7", "SBATCH_TIMELIMIT": "5", "HF_HOME": "/h", "CUDA_VISIBLE_DEVICES": "3"}, {"SLURM_CONF": "/etc/s.conf"},
+    )
     assert env == {"PATH": "/usr/bin", "HF_HOME": "/h", "SLURM_CONF": "/etc/s.conf"}
 
 
@@ -81,5 +85,8 @@ def test_scontrols_line_is_read_with_paths_that_hold_spaces() -> None:
     assert fields["Comment"] == "/home/ann/my runs/attempts/001" and fields["Restarts"] == "1"
     end = scheduler_end(fields)
     assert (end.state, end.reason, end.time_limit, end.host_memory) == ("OUT_OF_MEMORY", "OutOfMemory", 86400, 1536 * 2**20)
+    # Slurm 23.02 and later name the memory a job had AllocTRES= (and ReqTRES=).
+    newer = parse_fields("JobState=OUT_OF_MEMORY Reason=OutOfMemory ReqTRES=cpu=1,mem=1G,node=1 AllocTRES=cpu=2,mem=2G,node=1")
+    assert scheduler_end(newer).host_memory == 2 * 2**30
     assert scheduler_end(None).state is None
     assert scheduler_end(parse_fields("JobState=TIMEOUT Reason=None TimeLimit=UNLIMITED TRES=cpu=1,mem=2G")).time_limit is None

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from oomguard.daemon.launch import LaunchRequest
+from oomguard.daemon.launch import LaunchRequest, QueueState
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store
 from oomguard.daemon.supervisor import SLOTS_TAKEN, STALL_SECONDS, STOP_GRACE_SECONDS, Supervisor
@@ -216,6 +216,34 @@ def test_a_launch_that_may_work_later_waits_and_starts_again_without_using_a_try
     assert box.store.job(job_id).state == "running" and len(box.launcher.started) == 1
 
 
+def test_a_pending_attempt_the_cluster_will_never_start_is_cancelled_and_its_job_fails_naming_the_fix(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "too-long")
+    supervisor.drain()
+    (request,) = box.launcher.started
+    folder = str(request.attempt_dir)
+    box.launcher.queue[folder] = QueueState("PENDING", "Priority", 0)
+    supervisor.drain()
+    assert box.store.attempts(job_id)[0].scheduler_reason == "Priority"  # status shows why it waits
+    box.launcher.queue[folder] = QueueState("PENDING", "PartitionTimeLimit", 0)
+    supervisor.drain()
+    job = box.store.job(job_id)
+    assert job.state == "failed" and box.last_event(job_id)[:2] == ("failed", "never_starts")
+    assert "lower resources.time_limit or slurm.time_limit" in (job.result or "")
+    assert (folder, True) in box.launcher.stops
+
+
+def test_a_requeue_by_the_cluster_is_an_event_and_the_same_attempt_goes_on(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "requeued")
+    supervisor.drain()
+    (request,) = box.launcher.started
+    box.launcher.queue[str(request.attempt_dir)] = QueueState("PENDING", "BeginTime", 1)
+    supervisor.drain()
+    assert box.last_event(job_id)[:2] == ("requeued", "scheduler_requeued")
+    assert box.store.job(job_id).state == "running" and len(box.launcher.started) == 1
+
+
 def test_a_job_that_cannot_start_leaves_its_slot_to_the_next_in_the_same_pass(box: Box) -> None:
     box.launcher.fail_with = LaunchFailed("cannot start the attempt's shim (python) as me: Permission denied", "let me run python")
     box.launcher.failures_left = 1
@@ -244,6 +272,23 @@ def test_a_silent_attempt_is_reported_stalled_once(box: Box) -> None:
     assert box.kinds(job_id).count("stalled") == 1
     kind, code, data = box.last_event(job_id)
     assert (kind, code, data["attempt"]) == ("stalled", "no_heartbeat", 1) and data["seconds"] > STALL_SECONDS
+
+
+def test_an_attempt_that_waited_in_a_clusters_queue_is_not_stalled_when_it_starts_running(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "queued-long")
+    supervisor.drain()
+    (request,) = box.launcher.started
+    box.launcher.queue[str(request.attempt_dir)] = QueueState("PENDING", "Priority", 0)
+    supervisor.drain()
+    box.clock.advance(STALL_SECONDS * 3)  # hours in the cluster's queue: not a stall
+    supervisor.drain()
+    box.launcher.queue[str(request.attempt_dir)] = QueueState("RUNNING", None, 0)
+    supervisor.drain()
+    assert "stalled" not in box.kinds(job_id)
+    box.clock.advance(STALL_SECONDS + 1)  # silent that long once running: a stall
+    supervisor.drain()
+    assert box.kinds(job_id).count("stalled") == 1
 
 
 def test_attempts_stopped_with_the_daemon_go_back_to_the_queue(box: Box) -> None:
