@@ -216,14 +216,21 @@ def test_a_launch_that_may_work_later_waits_and_starts_again_without_using_a_try
     assert box.store.job(job_id).state == "running" and len(box.launcher.started) == 1
 
 
-def test_a_pending_attempt_the_cluster_will_never_start_is_cancelled_and_its_job_fails_naming_the_fix(box: Box) -> None:
+def on_a_cluster(box: Box, name: str, state: QueueState) -> tuple[Supervisor, int, str]:
+    """A job whose attempt started, and a batch scheduler that has it in ``state``: the
+    supervisor, the job and the attempt's folder."""
     supervisor = box.supervisor()
-    job_id = add(supervisor, "too-long")
+    job_id = add(supervisor, name)
     supervisor.drain()
     (request,) = box.launcher.started
     folder = str(request.attempt_dir)
-    box.launcher.queue[folder] = QueueState("PENDING", "Priority", 0)
+    box.launcher.queue[folder] = state
     supervisor.drain()
+    return supervisor, job_id, folder
+
+
+def test_a_pending_attempt_the_cluster_will_never_start_is_cancelled_and_its_job_fails_naming_the_fix(box: Box) -> None:
+    supervisor, job_id, folder = on_a_cluster(box, "too-long", QueueState("PENDING", "Priority", 0))
     assert box.store.attempts(job_id)[0].scheduler_reason == "Priority"  # status shows why it waits
     box.launcher.queue[folder] = QueueState("PENDING", "PartitionTimeLimit", 0)
     supervisor.drain()
@@ -234,12 +241,7 @@ def test_a_pending_attempt_the_cluster_will_never_start_is_cancelled_and_its_job
 
 
 def test_a_requeue_by_the_cluster_is_an_event_and_the_same_attempt_goes_on(box: Box) -> None:
-    supervisor = box.supervisor()
-    job_id = add(supervisor, "requeued")
-    supervisor.drain()
-    (request,) = box.launcher.started
-    box.launcher.queue[str(request.attempt_dir)] = QueueState("PENDING", "BeginTime", 1)
-    supervisor.drain()
+    supervisor, job_id, _ = on_a_cluster(box, "requeued", QueueState("PENDING", "BeginTime", 1))
     assert box.last_event(job_id)[:2] == ("requeued", "scheduler_requeued")
     assert box.store.job(job_id).state == "running" and len(box.launcher.started) == 1
 
@@ -275,15 +277,10 @@ def test_a_silent_attempt_is_reported_stalled_once(box: Box) -> None:
 
 
 def test_an_attempt_that_waited_in_a_clusters_queue_is_not_stalled_when_it_starts_running(box: Box) -> None:
-    supervisor = box.supervisor()
-    job_id = add(supervisor, "queued-long")
-    supervisor.drain()
-    (request,) = box.launcher.started
-    box.launcher.queue[str(request.attempt_dir)] = QueueState("PENDING", "Priority", 0)
-    supervisor.drain()
+    supervisor, job_id, folder = on_a_cluster(box, "queued-long", QueueState("PENDING", "Priority", 0))
     box.clock.advance(STALL_SECONDS * 3)  # hours in the cluster's queue: not a stall
     supervisor.drain()
-    box.launcher.queue[str(request.attempt_dir)] = QueueState("RUNNING", None, 0)
+    box.launcher.queue[folder] = QueueState("RUNNING", None, 0)
     supervisor.drain()
     assert "stalled" not in box.kinds(job_id)
     box.clock.advance(STALL_SECONDS + 1)  # silent that long once running: a stall
