@@ -29,8 +29,16 @@ CLUSTER_FAILURE_STATES = ("NODE_FAIL", "PREEMPTED", "BOOT_FAIL")
 
 
 def with_scheduler_end(attempt: AttemptRow, files: AttemptFiles, end: SchedulerEnd, reported: Outcome | None) -> Outcome | None:
-    """The attempt's outcome as the scheduler's end makes it (None: the scheduler says nothing
-    the shim's exit status and the log do not, so those decide)."""
+    """The attempt's outcome as the scheduler's end makes it, naming the state when that
+    decided it (None: the scheduler says nothing the shim's exit status and the log do not,
+    so those decide)."""
+    outcome = _from_scheduler_end(attempt, files, end, reported)
+    if outcome is None or outcome is reported:
+        return outcome
+    return dataclasses.replace(outcome, scheduler_state=end.state)
+
+
+def _from_scheduler_end(attempt: AttemptRow, files: AttemptFiles, end: SchedulerEnd, reported: Outcome | None) -> Outcome | None:
     state = end.state
     said = f"Slurm ended job {attempt.scheduler_id} {state}" + (f" ({end.reason})" if end.reason else "")
     if reported is not None:

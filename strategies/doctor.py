@@ -30,6 +30,8 @@ from oomguard.strategies.units import format_bytes, format_duration_words
 # Crash retry n (from 1) waits this long times 3**(n-1), at most CRASH_BACKOFF_MAX_SECONDS.
 CRASH_BACKOFF_SECONDS = 5.0
 CRASH_BACKOFF_MAX_SECONDS = 300.0
+# A cluster's interruptions in a row that trained nothing before they cost the job's tries.
+FREE_IDLE_CLUSTER_FAILURES = 3
 # The shortest checkpoint interval a time limit without a checkpoint leads to.
 CHECKPOINT_SECONDS_FLOOR = 10.0
 
@@ -107,11 +109,28 @@ def _continues(outcome: Outcome, earlier: Sequence[PastAttempt]) -> bool:
     checkpoints are rarer than its time limit), costs a try: a job must not go round for ever
     without moving."""
     if outcome.kind == "interrupted":
-        return True
+        return not _idle_cluster_failure(outcome) or _idle_cluster_failures_before(earlier) < FREE_IDLE_CLUSTER_FAILURES
     if outcome.kind != "time_limit" or outcome.time_limit_without_checkpoint is not None or not _moved(outcome):
         return False
     before = [past.outcome.resumed_from or 0 for past in earlier if past.outcome.kind == "time_limit"]
     return not before or (outcome.resumed_from or 0) > max(before)
+
+
+def _idle_cluster_failure(outcome: Outcome) -> bool:
+    """An interruption of the cluster's (a node failure, a preemption) before the attempt
+    trained a step: free a few times in a row, then a try each, or a node that fails each
+    time the job lands on it would keep it going round for ever. (The daemon's own
+    interruptions stay free: a reboot with no report from the runner reads as step 0 too.)"""
+    return outcome.kind == "interrupted" and outcome.scheduler_state is not None and not _moved(outcome)
+
+
+def _idle_cluster_failures_before(earlier: Sequence[PastAttempt]) -> int:
+    streak = 0
+    for past in reversed(earlier):
+        if not _idle_cluster_failure(past.outcome):
+            break
+        streak += 1
+    return streak
 
 
 def _moved(outcome: Outcome) -> bool:

@@ -102,6 +102,9 @@ class Outcome:
     # without a checkpoint made in the attempt. None: no such limit ended it.
     host_memory_limit: int | None = None
     time_limit_without_checkpoint: int | None = None
+    # The state a batch scheduler ended the attempt in, when that decided its outcome
+    # ("NODE_FAIL", "OUT_OF_MEMORY", ...; None: it did not, or none ran it).
+    scheduler_state: str | None = None
 
     @property
     def error_line(self) -> str | None:
@@ -223,9 +226,14 @@ def _check_types(data: dict[str, Any]) -> None:
         raise ValueError(f"unknown kind {_shown(data.get('kind'))} (known: {', '.join(_KINDS)})")
     if data.get("phase") is not None and data.get("phase") not in _PHASES:
         raise ValueError(f"unknown phase {_shown(data.get('phase'))} (known: {', '.join(_PHASES)})")
-    for key in ("step", "exit_code", "resumed_from"):
+    for key in ("step", "exit_code", "resumed_from", "host_memory_limit", "time_limit_without_checkpoint"):
         if data.get(key) is not None and not _is_int(data[key]):
             raise TypeError(f"{key} must be an integer, not {_shown(data[key])}")
+    for key in ("host_memory_limit", "time_limit_without_checkpoint"):
+        if data.get(key) is not None and data[key] <= 0:
+            raise ValueError(f"{key} must be positive, not {_shown(data[key])}")
+    if data.get("scheduler_state") is not None and not (isinstance(data["scheduler_state"], str) and _WORD.fullmatch(data["scheduler_state"])):
+        raise ValueError(f"scheduler_state must be a state's name, not {_shown(data['scheduler_state'])}")
     if "step" in data and data["step"] is None:
         raise TypeError("step must be an integer, not None")
     for key in ("message", "traceback_tail"):

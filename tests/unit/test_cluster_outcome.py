@@ -58,7 +58,7 @@ def test_the_sigterm_at_the_limit_is_a_time_limit_after_a_checkpoint(tmp_path: P
 @pytest.mark.parametrize("state", ["NODE_FAIL", "PREEMPTED", "BOOT_FAIL"])
 def test_the_clusters_failures_are_interruptions(tmp_path: Path, state: str) -> None:
     outcome = with_scheduler_end(attempt(), files(tmp_path, {"last_checkpoint": 6, "resumed_from": None}), SchedulerEnd(state), None)
-    assert outcome is not None and outcome.kind == "interrupted" and outcome.step == 6
+    assert outcome is not None and outcome.kind == "interrupted" and outcome.step == 6 and outcome.scheduler_state == state
 
 
 def test_a_cancel_from_outside_oomguard_cancels_the_job_and_one_of_oomguards_is_an_interruption(tmp_path: Path) -> None:
@@ -71,3 +71,18 @@ def test_a_cancel_from_outside_oomguard_cancels_the_job_and_one_of_oomguards_is_
 def test_a_completed_or_failed_job_is_left_to_the_shims_exit_status(tmp_path: Path) -> None:
     assert with_scheduler_end(attempt(), files(tmp_path, None), SchedulerEnd("FAILED"), None) is None
     assert with_scheduler_end(attempt(), files(tmp_path, None), SchedulerEnd("COMPLETED"), None) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({"host_memory_limit": "lots"}, "host_memory_limit must be an integer"),
+        ({"host_memory_limit": 0}, "host_memory_limit must be positive"),
+        ({"time_limit_without_checkpoint": -60}, "time_limit_without_checkpoint must be positive"),
+        ({"scheduler_state": "NODE FAIL"}, "scheduler_state must be a state's name"),
+    ],
+)
+def test_the_cluster_fields_of_an_outcome_json_are_checked(fields: dict, expected: str) -> None:
+    # outcome.json is the job's owner's to write: what the doctor reads must be what it can be.
+    with pytest.raises((TypeError, ValueError), match=expected):
+        Outcome.from_dict({"kind": "interrupted", "step": 0, **fields})

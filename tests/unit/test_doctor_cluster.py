@@ -63,3 +63,15 @@ def test_a_host_oom_of_the_machine_is_still_retried_after_a_pause() -> None:
     oom = Outcome(kind="host_oom", step=7, message="the kernel's OOM killer ended a process")
     decision = decide(oom, PLAN, history(oom), POLICY)
     assert isinstance(decision, Retry) and decision.host_memory is None and decision.after_seconds > 0
+
+
+def test_a_clusters_interruptions_that_train_nothing_cost_tries_after_the_first_few() -> None:
+    # A node that fails each time the job lands on it (NODE_FAIL before the first step).
+    failed = Outcome(kind="interrupted", step=10, resumed_from=10, scheduler_state="NODE_FAIL")
+    assert isinstance(decide(failed, PLAN, history(*[failed] * 5), POLICY), Retry)  # three free, two counted
+    assert isinstance(decide(failed, PLAN, history(*[failed] * 6), POLICY), GiveUp)
+    # Ones after which the job moved on, and the daemon's own, are free however many there are.
+    moving = [Outcome(kind="interrupted", step=10 * (n + 1), resumed_from=10 * n or None, scheduler_state="PREEMPTED") for n in range(20)]
+    assert isinstance(decide(moving[-1], PLAN, history(*moving), POLICY), Retry)
+    own = Outcome(kind="interrupted")
+    assert isinstance(decide(own, PLAN, history(*[own] * 20), POLICY), Retry)
