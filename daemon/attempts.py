@@ -1,6 +1,8 @@
 """An attempt from start to end: started through the Launcher, watched (stop deadline, stalls,
 rungs the runner took itself), adopted after a daemon restart, and collected when it ended,
-its Outcome read by daemon/conclude.py. Its files are opened as its owner's."""
+its Outcome read by daemon/conclude.py. Its files are opened as its owner's. Where a batch
+scheduler has one is daemon/cluster_queue.py's. Over 400 lines: one attempt's life, from the
+launch request to its end, with the state they share (what runs, by attempt)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.daemon.as_user import child_environment, spawn_options
 from oomguard.daemon.clock import Clock
+from oomguard.daemon.cluster_queue import ClusterQueue
 from oomguard.daemon.conclude import conclude, ended_summary
 from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.job_secrets import with_env
-from oomguard.daemon.launch import NEVER_STARTS, Exit, Handle, Launcher, LaunchRequest, QueueState, Resources
+from oomguard.daemon.launch import Exit, Handle, Launcher, LaunchRequest, Resources
 from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.placement import Placement
@@ -59,6 +62,26 @@ class Running:
 def handle_of(attempt: AttemptRow) -> Handle:
     """The launcher's handle of an attempt, from its row."""
     return Handle(attempt.directory, attempt.pid, attempt.pid_started, attempt.scheduler_id)
+
+
+def spec_for_attempt(job: JobRow, spec: JobSpec) -> JobSpec:
+    """The job file as the next attempt runs it: checkpoints at least as often as the doctor
+    asked after a time limit that passed without one (the built-in runner's)."""
+    asked = job.checkpoint_every_seconds
+    if asked is None or spec.command is not None:
+        return spec
+    every = min(asked, spec.train.checkpoint_every_seconds or asked)
+    return spec.replace(train=dataclasses.replace(spec.train, checkpoint_every_seconds=every))
+
+
+def resources_asked(job: JobRow, spec: JobSpec) -> Resources:
+    """What the next attempt asks a batch scheduler for: the job file's [resources], with the
+    host memory the doctor asked for after a host OOM at its limit."""
+    wanted = spec.resources
+    return Resources(
+        gpus=wanted.gpus, gpu_type=wanted.gpu_type, host_memory=job.host_memory or wanted.host_memory, cpus=wanted.cpus,
+        time_limit=wanted.time_limit,
+    )
 
 
 def owner_uid(job: JobRow) -> int:
@@ -110,8 +133,7 @@ class Attempts:
         self.after = after  # what the job does next, once its attempt's end is recorded
         self.pause = pause  # the job starts again no earlier than this many seconds from now
         self.running: dict[int, Running] = {}
-        # When a batch scheduler was first seen running each attempt (clock.time()).
-        self.ran_from: dict[int, float] = {}
+        self.queue = ClusterQueue(store, clock, launcher, lifecycle, events)  # where a batch scheduler has them
 
     def files_of(self, attempt: AttemptRow) -> AttemptFiles:
         return files_of(self.store, attempt)
@@ -120,12 +142,7 @@ class Attempts:
         """Start the job's next attempt where the scheduler placed it (its GPUs and device).
         False when it could not start (the job has ended, saying why)."""
         gpus = placement.gpus
-        spec = self.jobs.spec(job)
-        if job.checkpoint_every_seconds is not None and spec.command is None:
-            # A time limit passed without a checkpoint: the doctor asked for them more often.
-            spec = spec.replace(train=dataclasses.replace(spec.train, checkpoint_every_seconds=min(
-                job.checkpoint_every_seconds, spec.train.checkpoint_every_seconds or job.checkpoint_every_seconds,
-            )))
+        spec = spec_for_attempt(job, self.jobs.spec(job))
         plan = job.plan
         number = len(self.store.attempts(job.id)) + 1
         # Absolute: the shim starts in / (a --state-dir given as a relative path makes relative workdirs).
@@ -175,14 +192,9 @@ class Attempts:
             cwd = spec.command.cwd
             env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
             env.update(placement.device.environment())
-        wanted = spec.resources
         request = LaunchRequest(
             attempt_dir=attempt_dir, argv=tuple(runner), env=env, owner=owner, workdir=workdir, cwd=cwd,
-            stdin=json.dumps(config.to_dict(), indent=2).encode(), gpus=gpus,
-            resources=Resources(
-                gpus=wanted.gpus, gpu_type=wanted.gpu_type, host_memory=job.host_memory or wanted.host_memory, cpus=wanted.cpus,
-                time_limit=wanted.time_limit,
-            ),
+            stdin=json.dumps(config.to_dict(), indent=2).encode(), gpus=gpus, resources=resources_asked(job, spec),
             label=f"oomguard-{job.id}-{number}",
         )
         return self._launch(job, attempt_id, number, request, plan)
@@ -295,9 +307,10 @@ class Attempts:
     def _reap_one(self, attempt_id: int, running: Running) -> None:
         attempt = self.store.attempt(attempt_id)
         if self.launcher.running(running.handle):
-            queued = self._note_queue_state(attempt, running.handle)
-            if queued is not None and queued.state == "PENDING" and queued.reason in NEVER_STARTS:
-                self._never_starts(attempt, running, queued)
+            queued = self.queue.note(attempt, running.handle)
+            if queued is not None and queued.never_starts:
+                self.queue.give_up(attempt, running.handle, queued)
+                del self.running[attempt_id]
                 return
             self._enforce_stop_deadline(attempt)
             self._report_live_recoveries(attempt)
@@ -305,53 +318,16 @@ class Attempts:
                 self._check_stalled(attempt)
             return
         del self.running[attempt_id]
-        self.ran_from.pop(attempt_id, None)
+        self.queue.forget(attempt_id)
         uid = owner_uid(self.store.job(attempt.job_id))
         with self.files_of(attempt) as files:
             ended = self.launcher.collect(running.handle, uid, files)
         self._finish_attempt(attempt, ended)
 
-    def _note_queue_state(self, attempt: AttemptRow, handle: Handle) -> QueueState | None:
-        """Where a batch scheduler has the attempt (status shows it), and an event each time
-        the scheduler requeued it itself (a node failure, a preemption: the same attempt goes
-        on from its checkpoint when it runs again)."""
-        queued = self.launcher.queue_state(handle)
-        if queued is None:
-            return None
-        known = (attempt.scheduler_state, attempt.scheduler_reason, attempt.scheduler_restarts or 0)
-        if (queued.state, queued.reason, queued.restarts) == known:
-            return queued
-        self.store.update_attempt(attempt.id, scheduler_state=queued.state, scheduler_reason=queued.reason, scheduler_restarts=queued.restarts)
-        if queued.state == "RUNNING" and known[0] != "RUNNING":
-            self.ran_from[attempt.id] = self.clock.time()  # its silence counts from here, not from its submission
-        if queued.restarts > known[2]:
-            job = self.store.job(attempt.job_id)
-            self.events.event(
-                job, "requeued", f"Slurm requeued attempt {attempt.number} (job {handle.scheduler_id}, restart {queued.restarts}); it goes on "
-                "from its checkpoint when it runs again", code="scheduler_requeued",
-                data={"attempt": attempt.number, "scheduler_id": handle.scheduler_id, "restarts": queued.restarts},
-            )
-        return queued
-
-    def _never_starts(self, attempt: AttemptRow, running: Running, queued: QueueState) -> None:
-        """A pending attempt the cluster will never start as it was asked (its time limit over
-        the partition's, an invalid account, ...): cancelled, and the job fails saying what to
-        change, rather than waiting in the queue for ever."""
-        self.launcher.stop(running.handle, kill=True)
-        del self.running[attempt.id]
-        job = self.store.job(attempt.job_id)
-        why = f"Slurm will never start job {running.handle.scheduler_id} as it was submitted (pending: {queued.reason}): {NEVER_STARTS[queued.reason]}"
-        with self.store.atomic():
-            self.lifecycle.end_attempt(attempt.id, Outcome(kind="crashed", message=why))
-            self.lifecycle.end(
-                job, State.FAILED, why, next_step=f"nothing: the job has ended; change what the reason names, and submit it again",
-                code="never_starts", data={"attempt": attempt.number, "reason": queued.reason},
-            )
-
     def _check_stalled(self, attempt: AttemptRow) -> None:
         with self.files_of(attempt) as files:
             written = files.mtime(HEARTBEAT)
-        began = max(attempt.started_at, self.ran_from.get(attempt.id, 0.0))  # a cluster's queue is not a stall
+        began = max(attempt.started_at, self.queue.ran_from.get(attempt.id, 0.0))  # a cluster's queue is not a stall
         last = max(written, began) if written is not None else began
         silent = self.clock.time() - last
         if silent < self.stall_seconds:

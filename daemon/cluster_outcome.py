@@ -17,6 +17,7 @@ said so. What only the scheduler knows decides the rest:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from oomguard.daemon.launch import SchedulerEnd
 from oomguard.daemon.store_rows import AttemptRow
@@ -40,6 +41,7 @@ def with_scheduler_end(attempt: AttemptRow, files: AttemptFiles, end: SchedulerE
 
 def _from_scheduler_end(attempt: AttemptRow, files: AttemptFiles, end: SchedulerEnd, reported: Outcome | None) -> Outcome | None:
     state = end.state
+    kept = _checkpoints(files)
     said = f"Slurm ended job {attempt.scheduler_id} {state}" + (f" ({end.reason})" if end.reason else "")
     if reported is not None:
         if reported.kind == "interrupted" and state in TIME_LIMIT_STATES and not attempt.term_sent_at:
@@ -49,53 +51,54 @@ def _from_scheduler_end(attempt: AttemptRow, files: AttemptFiles, end: Scheduler
     if state == "OUT_OF_MEMORY":
         given = f"the {format_bytes(end.host_memory)} of host memory it was given" if end.host_memory else "the host memory it was given"
         return Outcome(
-            kind="host_oom", step=_checkpoint_step(files) or 0, resumed_from=_resumed_from(files), host_memory_limit=end.host_memory,
+            kind="host_oom", step=kept.newest or 0, resumed_from=kept.resumed_from, host_memory_limit=end.host_memory,
             message=f"{said}: a process of it used more than {given} (sbatch --mem) and the kernel killed it",
         )
     if state in TIME_LIMIT_STATES:
-        resumed, checkpoint = _resumed_from(files), _checkpoint_step(files)
         limit = f" ({format_duration_words(end.time_limit)})" if end.time_limit else ""
-        if _reports_checkpoints(files):  # the built-in runner: its heartbeat says where its checkpoints stand
-            made_none = checkpoint is None or checkpoint == resumed
-            step = checkpoint or 0
-            kept = f"its newest checkpoint is at step {checkpoint}" if checkpoint is not None else "it has no checkpoint"
+        if kept.reported:  # the built-in runner
+            made_none = kept.newest is None or kept.newest == kept.resumed_from
+            step = kept.newest or 0
+            where = f"its newest checkpoint is at step {kept.newest}" if kept.newest is not None else "it has no checkpoint"
         else:  # a script: its checkpoints are its own; how far it got
             made_none = False
-            step = _heartbeat_field(files, "step") or 0
-            kept = "it goes on from the script's own newest checkpoint"
+            step = kept.step or 0
+            where = "it goes on from the script's own newest checkpoint"
         return Outcome(
-            kind="time_limit", step=step, resumed_from=resumed,
+            kind="time_limit", step=step, resumed_from=kept.resumed_from,
             time_limit_without_checkpoint=end.time_limit if made_none else None,
-            message=f"{said}: killed at its time limit{limit} before it could checkpoint; {kept}",
+            message=f"{said}: killed at its time limit{limit} before it could checkpoint; {where}",
         )
     if state in CLUSTER_FAILURE_STATES or (state == "CANCELLED" and attempt.term_sent_at):
         return Outcome(
-            kind="interrupted", step=_checkpoint_step(files) or 0, resumed_from=_resumed_from(files),
+            kind="interrupted", step=kept.newest or 0, resumed_from=kept.resumed_from,
             message=f"{said}; the next attempt continues from its checkpoint",
         )
     if state == "CANCELLED":
         return Outcome(
-            kind="cancelled", step=_checkpoint_step(files) or 0, resumed_from=_resumed_from(files),
+            kind="cancelled", step=kept.newest or 0, resumed_from=kept.resumed_from,
             message=f"{said}: cancelled in Slurm, not by oomguard (scancel by its owner or an administrator)",
         )
     return None
 
 
-def _heartbeat_field(files: AttemptFiles, name: str) -> int | None:
+@dataclass(frozen=True)
+class _Checkpoints:
+    """Where the attempt's checkpoints stood at its last heartbeat (the built-in runner says;
+    a script's heartbeat says only how far it got)."""
+
+    reported: bool  # the heartbeat says where its checkpoints stand (the built-in runner)
+    newest: int | None  # the step of its newest checkpoint
+    resumed_from: int | None
+    step: int | None  # how far it got
+
+
+def _checkpoints(files: AttemptFiles) -> _Checkpoints:
     heartbeat = files.read_json(HEARTBEAT)
-    value = heartbeat.get(name) if isinstance(heartbeat, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    heartbeat = heartbeat if isinstance(heartbeat, dict) else {}
 
+    def step(name: str) -> int | None:
+        value = heartbeat.get(name)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
 
-def _reports_checkpoints(files: AttemptFiles) -> bool:
-    heartbeat = files.read_json(HEARTBEAT)
-    return isinstance(heartbeat, dict) and "last_checkpoint" in heartbeat
-
-
-def _checkpoint_step(files: AttemptFiles) -> int | None:
-    """The step of the attempt's newest checkpoint, as its last heartbeat says (None: none)."""
-    return _heartbeat_field(files, "last_checkpoint")
-
-
-def _resumed_from(files: AttemptFiles) -> int | None:
-    return _heartbeat_field(files, "resumed_from")
+    return _Checkpoints("last_checkpoint" in heartbeat, step("last_checkpoint"), step("resumed_from"), step("step"))

@@ -6,6 +6,7 @@ each way of ending into an Outcome.
 resume from the newest usable checkpoint), ``run_steps`` (each step, with in-process recovery
 from an OOM, reporting and periodic checkpoints), ``finish`` (the final model); ``ended`` gives
 whichever Outcome ended it what the attempt learnt (plans, measurements, rungs taken).
+Over 400 lines: the steps of one attempt share its state (progress, plan records, control).
 """
 
 from __future__ import annotations
@@ -384,8 +385,7 @@ def _report(
     # The heartbeat is a small file rewritten at most once a second (and on the last step).
     # It carries the rungs the runner took so far, which the daemon reports while it runs.
     if now - progress.last_heartbeat >= 1.0 or progress.step == max_steps:
-        # Where its checkpoints stand, for a daemon that finds it killed without a report (a
-        # cluster's time limit): did it checkpoint at all since it resumed?
+        # For a daemon that finds it killed without a report (a time limit): did it checkpoint?
         checkpoints = {"last_checkpoint": progress.last_checkpoint, "resumed_from": progress.resumed_from}
         write_json_atomic(attempt_dir / HEARTBEAT, {**record, "recoveries": recoveries, **checkpoints})
         progress.last_heartbeat = now

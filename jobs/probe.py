@@ -142,9 +142,8 @@ def run_probe(
         ran = {m.plan for m in measurements if m.fits}
         open_plans = [p for p in candidates if p not in failed]
         safe = planner.choose(origin, open_plans, model, capacity)
-        # A plan that would beat the best safe one and could fit at all, at the speed it could
-        # have, is worth a step to find out (the safety margins are for plans nobody
-        # measured; a shape timed at one size only may be faster at a larger one).
+        # A plan that could fit and, at the speed it could have, beat the best safe one is worth a
+        # step (margins are for plans nobody measured; a shape timed once may be faster larger).
         hopeful = planner.choose(origin, [p for p in open_plans if p not in ran], model, capacity, optimistic=True, optimistic_speed=True)
         if hopeful is not None and (safe is None or planner.rank(model, origin, hopeful.plan, optimistic=True) < planner.rank(model, origin, safe.plan)):
             next_plan = cheapest_of_its_shape(hopeful.plan, failed)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from oomguard.strategies import planner, rungs
 from oomguard.strategies.contention import Contention, bytes_to_wait_for, find_contention
+from oomguard.strategies.doctor_cluster import after_time_limit, continues, more_host_memory
 from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.oom_judge import is_fragmentation
@@ -24,16 +25,12 @@ from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.planner import candidate_plans, rungs_between
 from oomguard.strategies.policy import Policy
-from oomguard.strategies.units import format_bytes, format_duration_words
+from oomguard.strategies.units import format_bytes
 
 
 # Crash retry n (from 1) waits this long times 3**(n-1), at most CRASH_BACKOFF_MAX_SECONDS.
 CRASH_BACKOFF_SECONDS = 5.0
 CRASH_BACKOFF_MAX_SECONDS = 300.0
-# A cluster's interruptions in a row that trained nothing before they cost the job's tries.
-FREE_IDLE_CLUSTER_FAILURES = 3
-# The shortest checkpoint interval a time limit without a checkpoint leads to.
-CHECKPOINT_SECONDS_FLOOR = 10.0
 
 
 # What the ladder is for: a job that failed of anything else gets no advice about rungs.
@@ -81,15 +78,15 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
         policy = dataclasses.replace(policy, allow=tuple(name for name in policy.allow if name not in unsafe), unsafe=unsafe)
     # Interruptions and neighbours' spikes are not the job's doing: they do not use up its tries.
     # A time limit reached after a checkpoint is a continuation: it costs no try either.
-    counted = [past for at, past in enumerate(history) if not _continues(past.outcome, history[:at]) and contention_of(past) is None]
+    counted = [past for at, past in enumerate(history) if not continues(past.outcome, history[:at]) and contention_of(past) is None]
     if len(counted) >= policy.max_attempts:
         return give_up(f"{len(counted)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}", history, policy)
     if outcome.kind == "interrupted":
         return Retry(reason="the attempt was interrupted; it continues from its checkpoint")
     if outcome.kind == "time_limit":
-        return _after_time_limit(outcome, plan)
+        return after_time_limit(outcome, plan)
     if outcome.kind == "host_oom" and outcome.host_memory_limit is not None:
-        return _more_host_memory(outcome, plan, history, policy)
+        return more_host_memory(outcome, plan)
     if outcome.kind in ("crashed", "host_oom"):
         return _after_crash(outcome, plan, history, policy)
     if outcome.kind == "diverged":
@@ -100,77 +97,6 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
             return _after_contention(contention, outcome, plan, history, policy)
         return _after_oom(outcome, plan, history, policy)
     raise ValueError(f"no decision to make after an attempt that ended {outcome.kind!r}")
-
-
-def _continues(outcome: Outcome, earlier: Sequence[PastAttempt]) -> bool:
-    """Not the job's doing, and nothing lost: an interruption, or a time limit reached after
-    the attempt trained and checkpointed, from further on than any time limit before it. One
-    that trained nothing, or that resumed where an earlier one did (a script whose own
-    checkpoints are rarer than its time limit), costs a try: a job must not go round for ever
-    without moving."""
-    if outcome.kind == "interrupted":
-        return not _idle_cluster_failure(outcome) or _idle_cluster_failures_before(earlier) < FREE_IDLE_CLUSTER_FAILURES
-    if outcome.kind != "time_limit" or outcome.time_limit_without_checkpoint is not None or not _moved(outcome):
-        return False
-    before = [past.outcome.resumed_from or 0 for past in earlier if past.outcome.kind == "time_limit"]
-    return not before or (outcome.resumed_from or 0) > max(before)
-
-
-def _idle_cluster_failure(outcome: Outcome) -> bool:
-    """An interruption of the cluster's (a node failure, a preemption) before the attempt
-    trained a step: free a few times in a row, then a try each, or a node that fails each
-    time the job lands on it would keep it going round for ever. (The daemon's own
-    interruptions stay free: a reboot with no report from the runner reads as step 0 too.)"""
-    return outcome.kind == "interrupted" and outcome.scheduler_state is not None and not _moved(outcome)
-
-
-def _idle_cluster_failures_before(earlier: Sequence[PastAttempt]) -> int:
-    streak = 0
-    for past in reversed(earlier):
-        if not _idle_cluster_failure(past.outcome):
-            break
-        streak += 1
-    return streak
-
-
-def _moved(outcome: Outcome) -> bool:
-    return outcome.step > (outcome.resumed_from or 0)
-
-
-def _after_time_limit(outcome: Outcome, plan: Plan) -> Retry:
-    """A cluster's time limit: the next attempt goes on with the same plan (no rung); one that
-    passed without a checkpoint made in the attempt makes the next ones checkpoint more often."""
-    limit = outcome.time_limit_without_checkpoint
-    if limit is None and not _moved(outcome):
-        return Retry(
-            reason=f"the cluster's time limit came before the attempt trained a step (Slurm may signal up to a minute early); the next "
-            f"attempt tries again from step {outcome.step} with the same plan [{plan.short()}]",
-        )
-    if limit is None:
-        return Retry(reason=f"the cluster's time limit came at step {outcome.step}, after a checkpoint; the next attempt goes on from it with the same plan [{plan.short()}]")
-    # Three checkpoints per time limit: at most a third of an attempt is lost when the signal
-    # comes too late for the last one.
-    every = max(CHECKPOINT_SECONDS_FLOOR, limit / 3)
-    return Retry(
-        reason=f"the cluster's time limit ({format_duration_words(limit)}) passed without a checkpoint made in the attempt (at step "
-        f"{outcome.step}) -> the next attempts checkpoint at least every {format_duration_words(every)}, same plan [{plan.short()}]",
-        checkpoint_every_seconds=every,
-    )
-
-
-def _more_host_memory(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
-    """The cluster ended the attempt for going over the host memory it was given (sbatch
-    --mem): the job's own limit, not a neighbour's doing, so the same request would fail the
-    same way. The next attempt asks for twice as much, same plan; the cluster refuses a request
-    no node can meet (sbatch says so), and max_attempts bounds the doubling."""
-    limit = outcome.host_memory_limit
-    assert limit is not None
-    more = 2 * limit
-    return Retry(
-        reason=f"the cluster ended it for using more than the {format_bytes(limit)} of host memory it was given (sbatch --mem; at "
-        f"step {outcome.step}) -> the next attempt asks for {format_bytes(more)}, same plan [{plan.short()}]",
-        host_memory=more,
-    )
 
 
 def unsafe_rungs(history: Sequence[PastAttempt], policy: Policy) -> tuple[str, ...]:

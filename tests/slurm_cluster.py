@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pytest
 
-from oomguard.daemon.launch.slurm import parse_fields  # the daemon's reading of scontrol's lines
+from oomguard.daemon.launch.slurm_text import parse_fields  # the daemon's reading of scontrol's lines
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo")
 DAEMONS = ("slurmctld", "slurmd", "munged", "mungekey")
 CGROUP_V1 = Path("/sys/fs/cgroup")

@@ -69,24 +69,6 @@ class Handle:
     scheduler_id: str | None = None
 
 
-# Why a batch scheduler's pending job will never start as it was submitted (Slurm keeps it
-# pending for ever unless EnforcePartLimits refuses it at once), by QueueState.reason: the attempt is cancelled and the job fails,
-# saying which of its requests to change.
-NEVER_STARTS = {
-    "PartitionTimeLimit": "its time limit is over the partition's MaxTime: lower resources.time_limit or slurm.time_limit",
-    "PartitionNodeLimit": "it asks for more nodes than the partition allows",
-    "QOSMaxWallDurationPerJobLimit": "its time limit is over its QOS's: lower resources.time_limit or slurm.time_limit, or choose another slurm.qos",
-    "AssocMaxWallDurationPerJobLimit": "its time limit is over its account's: lower resources.time_limit or slurm.time_limit",
-    "QOSMaxGRESPerJob": "it asks for more GPUs than its QOS allows: lower resources.gpus, or choose another slurm.qos",
-    "QOSMaxMemoryPerJob": "it asks for more memory than its QOS allows: lower resources.host_memory",
-    "QOSMaxCpuPerJobLimit": "it asks for more CPUs than its QOS allows: lower resources.cpus",
-    "BadConstraints": "no node has what it asks for (gres, memory, CPUs, constraints): change [resources] or slurm.extra_options",
-    "InvalidAccount": "its account is not valid: set slurm.account to one of yours (sacctmgr show assoc user=$USER)",
-    "InvalidQOS": "its QOS is not valid for its account: change slurm.qos",
-    "DependencyNeverSatisfied": "a dependency in slurm.extra_options can never be met: drop it",
-}
-
-
 @dataclass(frozen=True)
 class QueueState:
     """Where a batch scheduler has an attempt now: "PENDING" with why ("Priority",
@@ -96,6 +78,8 @@ class QueueState:
     state: str
     reason: str | None
     restarts: int
+    # A pending job the scheduler will never start as it was submitted: why, and what to change.
+    never_starts: str | None = None
 
 
 @dataclass(frozen=True)

@@ -99,12 +99,13 @@ class LocalLauncher:
             # Ranks that left the group (a session of their own) and outlived the shim.
             # Only the owner's: anyone may mark a process of their own with this attempt's folder.
             processes.send(processes.marked_with(handle.attempt_dir, owner_uid), signal.SIGKILL)
-        ended = exit_from_files(files, watched=child is not None)
+        ended = exit_from_files(files)
         # A shim of ours that could not enter the workdir, as the owner, had nowhere to write.
-        no_folder = not ended.recorded_by_shim and child is not None and child.returncode == CANNOT_USE_FOLDER
+        no_folder = not ended.recorded and child is not None and child.returncode == CANNOT_USE_FOLDER
         return Exit(
-            returncode=ended.returncode, recorded=ended.recorded, failed_process=ended.failed_process, oom_kills=ended.oom_kills,
-            no_folder=no_folder,
+            # Ended as this daemon watched it, recorded or not.
+            returncode=ended.returncode, recorded=ended.recorded or child is not None, failed_process=ended.failed_process,
+            oom_kills=ended.oom_kills, no_folder=no_folder,
         )
 
     def stop(self, handle: Handle, *, kill: bool) -> None:
@@ -152,22 +153,20 @@ class ShimExit:
     """What the shim's exit.json says (every launcher's collect reads it)."""
 
     returncode: int | None
-    recorded: bool  # recorded by the shim, or watched ending by this daemon
-    recorded_by_shim: bool
+    recorded: bool  # the shim wrote exit.json
     failed_process: dict[str, Any] | None
     oom_kills: int | None
 
 
-def exit_from_files(files: AttemptFiles, *, watched: bool) -> ShimExit:
-    """How the attempt's command ended, as its shim recorded it; ``watched``: this daemon saw
-    the shim end (so it ended, recorded or not)."""
+def exit_from_files(files: AttemptFiles) -> ShimExit:
+    """How the attempt's command ended, as its shim recorded it."""
     status = files.read_json(EXIT_STATUS)
     if not isinstance(status, dict):
         status = None
     returncode = status.get("returncode") if status and isinstance(status.get("returncode"), int) else None
     failed = status.get("failed_process") if status and isinstance(status.get("failed_process"), dict) else None
     oom_kills = status.get("oom_kills") if status and isinstance(status.get("oom_kills"), int) else None
-    return ShimExit(returncode, status is not None or watched, status is not None, failed, oom_kills)
+    return ShimExit(returncode, status is not None, failed, oom_kills)
 
 
 def _kill_group(group: int) -> None:

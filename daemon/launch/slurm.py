@@ -10,9 +10,10 @@ resumes from its checkpoint), and gets SIGUSR1 ``signal_seconds`` before its tim
 Its output file (slurmstepd's own lines: a time limit, a cgroup OOM kill) is
 ``ATTEMPT_DIR/slurm-JOBID.out``; the command's own output goes to output.log as locally.
 
-Slurm's CLI is the interface (squeue, scontrol, scancel; no accounting, no REST): squeue is
-asked once per ``poll_seconds`` for every attempt this daemon watches, and scontrol for the
-details of a job whose state changed or ended. A job submitted as another user is never
+Slurm's CLI is the interface (squeue, scontrol, scancel, and sacct where the cluster keeps
+accounting; no REST): squeue is asked once per ``poll_seconds`` for every attempt this daemon
+watches, and scontrol for the details of a job whose state changed or ended. What goes to the
+CLI and comes back, as text, is daemon/launch/slurm_text.py's. A job submitted as another user is never
 adopted: adoption by the attempt's folder (the job's comment) looks among the owner's jobs.
 """
 
@@ -21,21 +22,20 @@ from __future__ import annotations
 import math
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from oomguard.daemon.as_user import spawn_options
 from oomguard.daemon.config import SlurmConfig
-from oomguard.daemon.launch import Exit, Handle, LaunchRequest, QueueState, SchedulerEnd
-from oomguard.daemon.launch.local import SHIM_MODULE, exit_from_files, run_as
+from oomguard.daemon.launch import Exit, Handle, LaunchRequest, QueueState
+from oomguard.daemon.launch.local import exit_from_files, run_as
+from oomguard.daemon.launch.slurm_text import batch_script, parse_fields, queue_state, sbatch_options, scheduler_end, submit_environment
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import AttemptFiles
 from oomguard.strategies.errors import LaunchFailed
-from oomguard.strategies.units import format_bytes, format_time_limit, parse_time_limit
 
 TOOLS = ("sbatch", "squeue", "scontrol", "scancel")
 # A job in one of these states has ended (squeue --states=all lists it for MinJobAge after).
@@ -52,12 +52,6 @@ _TRANSIENT = re.compile(
     re.IGNORECASE,
 )
 SUBMIT_RETRY_SECONDS = 60.0
-# Ends the attempt's configuration in the batch script (JSON never has this line).
-_CONFIG_END = "OOMGUARD_ATTEMPT_CONFIG"
-_FIELD = re.compile(r"(?:^|\s)([A-Za-z][\w/:]*)=")
-_SLURM_SIZE = re.compile(r"^(\d+(?:\.\d+)?)([KMGTP]?)$")
-_POWERS = {"K": 1, "M": 2, "G": 3, "T": 4, "P": 5}  # a size without a unit is in MiB
-
 
 class NoSlurm(RuntimeError):
     """Slurm's commands are missing or its controller does not answer."""
@@ -68,17 +62,15 @@ class SlurmLauncher:
         self.config = config
         self.python = python
         self.clock = clock
-        missing = [name for name in TOOLS if shutil.which(name) is None]
+        found = {name: shutil.which(name) for name in (*TOOLS, "sacct")}
+        missing = [name for name in TOOLS if found[name] is None]
         if missing:
             raise NoSlurm(
                 f"Slurm's {', '.join(missing)} not found on PATH ({os.environ.get('PATH', '')}): install Slurm's client commands "
                 "(Debian: slurm-client), or put their folder on the daemon's PATH (a systemd unit: Environment=PATH=...)"
             )
-        self.tools = {name: str(shutil.which(name)) for name in TOOLS}
-        # Accounting, where the cluster has it: how a job ended after the controller forgot it.
-        self.sacct = shutil.which("sacct")
-        if self.sacct is not None:
-            self.tools["sacct"] = self.sacct
+        # sacct, where the cluster has it: how a job ended after the controller forgot it.
+        self.tools = {name: path for name, path in found.items() if path is not None}
         self._watched: set[str] = set()
         self._states: dict[str, QueueState] = {}
         self._owners: dict[str, int] = {}  # each watched job's owner: scancel acts on the owner's jobs only
@@ -91,7 +83,7 @@ class SlurmLauncher:
         if result is None:
             raise NoSlurm(f"squeue did not answer within {CLI_SECONDS:.0f} s; check SLURM_CONF and slurmctld")
         if result.returncode != 0 and "Invalid job id" not in result.stderr:
-            raise NoSlurm(f"squeue cannot reach the Slurm controller: {_last_line(result.stderr)}; check SLURM_CONF and slurmctld")
+            raise NoSlurm(f"squeue cannot reach the Slurm controller: {_said(result.stderr)}; check SLURM_CONF and slurmctld")
 
     # Starting ------------------------------------------------------------------------------
 
@@ -128,7 +120,7 @@ class SlurmLauncher:
                 "so that the cluster can run it",
             )
         self._owners[job_id] = request.owner.uid
-        self._watch(job_id, QueueState("PENDING", None, 0))
+        self._watch(job_id, queue_state("PENDING", None, 0))
         return Handle(str(request.attempt_dir), None, None, job_id)
 
     def adopt(self, handle: Handle, owner_uid: int) -> Handle:
@@ -217,7 +209,7 @@ class SlurmLauncher:
                 # Changed: how often Slurm requeued it is in scontrol's view only.
                 details = self.details(job_id)
                 restarts = _int(details.get("Restarts")) if details else restarts
-            self._states[job_id] = QueueState(seen[0], seen[1], restarts)
+            self._states[job_id] = queue_state(seen[0], seen[1], restarts)
 
     def details(self, job_id: str) -> dict[str, str] | None:
         """``scontrol show job`` of one job as its fields; for a job the controller has
@@ -226,7 +218,7 @@ class SlurmLauncher:
         result = self._cli(["scontrol", "show", "job", "-o", job_id])
         if result is not None and result.returncode == 0 and result.stdout.strip():
             return parse_fields(result.stdout.strip().splitlines()[0])
-        if self.sacct is None:
+        if "sacct" not in self.tools:
             return None
         accounted = self._cli(["sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,State,Reason,Timelimit,ReqTRES,User,UID"])
         if accounted is None or accounted.returncode != 0:
@@ -250,7 +242,7 @@ class SlurmLauncher:
             details = self.details(handle.scheduler_id)
             scheduler = scheduler_end(details)
         # Whatever Slurm says, the shim's exit.json says how the command ended.
-        ended = exit_from_files(files, watched=False)
+        ended = exit_from_files(files)
         return Exit(
             returncode=ended.returncode, recorded=ended.recorded, failed_process=ended.failed_process, oom_kills=ended.oom_kills,
             scheduler=scheduler,
@@ -292,110 +284,6 @@ class SlurmLauncher:
             return None
 
 
-def batch_script(request: LaunchRequest, python: str) -> str:
-    """The attempt's batch script: the shim exec'd (so that it is the batch shell, which
-    --signal=B: signals), its configuration in a here-document."""
-    options = ["--workdir", str(request.workdir)]
-    if request.cwd:
-        options += ["--cwd", request.cwd]
-    # Slurm's SIGUSR1 reaches the batch shell only: the runner, and an accelerate script
-    # through the bootstrap, checkpoint on it (a command that does not handle it ignores it).
-    options.append("--pass-usr1")
-    shim = [python, "-m", SHIM_MODULE, str(request.attempt_dir), *options, "--", *request.argv]
-    config = request.stdin.decode()
-    if _CONFIG_END in config.splitlines():
-        raise LaunchFailed("the attempt's configuration holds the batch script's end marker", "rename what holds it in the job file")
-    return f"#!/bin/sh\n# oomguard: {request.label}\nexec {shlex.join(shim)} <<'{_CONFIG_END}'\n{config.rstrip(chr(10))}\n{_CONFIG_END}\n"
-
-
-def sbatch_options(request: LaunchRequest, config: SlurmConfig) -> list[str]:
-    """What one attempt asks sbatch for: the job file's [resources], else the config's."""
-    wanted = request.resources
-    time_limit = wanted.time_limit or config.time_limit
-    # A short attempt still gets the signal in time to checkpoint: at most half its limit early.
-    lead = max(10, min(config.signal_seconds, time_limit // 2))
-    output = str(request.attempt_dir / "slurm-%j.out").replace("%", "%%").replace("%%j", "%j")
-    options = [
-        "--parsable", f"--job-name={request.label}", f"--comment={request.attempt_dir}", f"--output={output}", "--open-mode=append",
-        "--requeue", f"--signal=B:USR1@{lead}", f"--time={format_time_limit(time_limit)}", "--export=ALL",
-    ]
-    gpu_type = wanted.gpu_type or config.gpu_type
-    if wanted.gpus:
-        options.append(f"--gres=gpu:{gpu_type}:{wanted.gpus}" if gpu_type else f"--gres=gpu:{wanted.gpus}")
-    host_memory = wanted.host_memory or config.host_memory
-    if host_memory and config.max_host_memory and config.max_host_memory < host_memory < 2 * config.max_host_memory:
-        host_memory = config.max_host_memory  # doubled past the most allowed: that most, once
-    elif host_memory and config.max_host_memory and host_memory > config.max_host_memory:
-        raise LaunchFailed(
-            f"the attempt would ask for {format_bytes(host_memory)} of host memory, more than the "
-            f"daemon config's slurm.max_host_memory ({format_bytes(config.max_host_memory)})",
-            "raise slurm.max_host_memory in the daemon config, or make the job use less host memory",
-        )
-    if host_memory:
-        options.append(f"--mem={math.ceil(host_memory / 2**20)}M")
-    cpus = wanted.cpus or config.cpus
-    if cpus:
-        options.append(f"--cpus-per-task={cpus}")
-    for name, value in (("partition", config.partition), ("account", config.account), ("qos", config.qos)):
-        if value:
-            options.append(f"--{name}={value}")
-    return [*options, *config.extra_options]
-
-
-def submit_environment(attempt_env: Mapping[str, str], daemon_env: Mapping[str, str]) -> dict[str, str]:
-    """sbatch's environment, which the job gets (--export=ALL): the attempt's, with where the
-    cluster's configuration is (SLURM_CONF) and none of the variables of a Slurm job the
-    daemon itself may run in (they would describe that job, not this one), nor the GPUs the
-    daemon's machine shows (the job's are Slurm's to set)."""
-    env = {
-        name: value for name, value in attempt_env.items()
-        if not name.startswith(("SLURM_", "SBATCH_")) and name not in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
-    }
-    if "SLURM_CONF" in daemon_env:
-        env["SLURM_CONF"] = daemon_env["SLURM_CONF"]
-    return env
-
-
-def parse_fields(line: str) -> dict[str, str]:
-    """``scontrol show job -o``'s one line as {field: value}; a value may hold spaces (a path)."""
-    starts = list(_FIELD.finditer(line))
-    fields: dict[str, str] = {}
-    for at, match in enumerate(starts):
-        end = starts[at + 1].start() if at + 1 < len(starts) else len(line)
-        fields[match.group(1)] = line[match.end() : end].strip()
-    return fields
-
-
-def scheduler_end(details: Mapping[str, str] | None) -> SchedulerEnd:
-    """How Slurm ended a job, from its scontrol fields (state None: Slurm has forgotten it)."""
-    if details is None:
-        return SchedulerEnd(state=None)
-    reason = details.get("Reason")
-    return SchedulerEnd(
-        state=details.get("JobState"), reason=None if reason in (None, "None") else reason,
-        time_limit=_time_limit(details.get("TimeLimit")),
-        # Slurm 22.05 prints TRES=; later versions AllocTRES= and ReqTRES=.
-        host_memory=next((m for m in (_tres_memory(details.get(k)) for k in ("AllocTRES", "TRES", "ReqTRES")) if m is not None), None),
-    )
-
-
-def _time_limit(text: str | None) -> int | None:
-    try:
-        return parse_time_limit(text) if text else None
-    except ValueError:
-        return None  # UNLIMITED, Partition_Limit
-
-
-def _tres_memory(text: str | None) -> int | None:
-    """The mem= of a TRES list ("cpu=1,mem=100M,node=1"), in bytes (Slurm's units are powers of 1024)."""
-    for item in (text or "").split(","):
-        name, _, value = item.partition("=")
-        match = _SLURM_SIZE.match(value) if name == "mem" else None
-        if match:
-            return int(float(match.group(1)) * 1024 ** _POWERS[match.group(2) or "M"])
-    return None
-
-
 def _int(text: str | None) -> int:
     return int(text) if text and text.isdigit() else 0
 
@@ -404,8 +292,3 @@ def _said(text: str) -> str:
     """What a Slurm command said on standard error, its lines in one (the code that says why is
     often on the line before the last)."""
     return " ".join(line.strip() for line in text.strip().splitlines() if line.strip())[:600]
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""

@@ -10,7 +10,7 @@ import pytest
 
 from oomguard.daemon.config import SlurmConfig
 from oomguard.daemon.launch import LaunchRequest, Resources
-from oomguard.daemon.launch.slurm import batch_script, parse_fields, sbatch_options, scheduler_end, submit_environment
+from oomguard.daemon.launch.slurm_text import batch_script, parse_fields, sbatch_options, scheduler_end, submit_environment
 from oomguard.daemon.users import Account
 from oomguard.strategies.errors import LaunchFailed
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from oomguard.daemon.launch import LaunchRequest, QueueState
+from oomguard.daemon.launch.slurm_text import queue_state
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store
 from oomguard.daemon.supervisor import SLOTS_TAKEN, STALL_SECONDS, STOP_GRACE_SECONDS, Supervisor
@@ -232,7 +233,7 @@ def on_a_cluster(box: Box, name: str, state: QueueState) -> tuple[Supervisor, in
 def test_a_pending_attempt_the_cluster_will_never_start_is_cancelled_and_its_job_fails_naming_the_fix(box: Box) -> None:
     supervisor, job_id, folder = on_a_cluster(box, "too-long", QueueState("PENDING", "Priority", 0))
     assert box.store.attempts(job_id)[0].scheduler_reason == "Priority"  # status shows why it waits
-    box.launcher.queue[folder] = QueueState("PENDING", "PartitionTimeLimit", 0)
+    box.launcher.queue[folder] = queue_state("PENDING", "PartitionTimeLimit", 0)  # as the Slurm launcher reads it
     supervisor.drain()
     job = box.store.job(job_id)
     assert job.state == "failed" and box.last_event(job_id)[:2] == ("failed", "never_starts")
