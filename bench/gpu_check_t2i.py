@@ -388,6 +388,17 @@ class DeviceSampler:
         return self.peak - self.baseline if self.peak is not None and self.baseline is not None else None
 
 
+def _log_end(attempt_dir: Path, size: int = 3000) -> str | None:
+    """The end of an attempt's log, read across the tail files a long one goes on in
+    (daemon/log_cap.py); None when it has none."""
+    from oomguard.jobs.attempt import LOG, read_log_end
+
+    try:
+        return read_log_end(attempt_dir, size) if (attempt_dir / LOG).exists() else None
+    except OSError:
+        return None
+
+
 class LogEcho:
     """Progress lines of the attempts' output.log files in a workdir, as they are written."""
 
@@ -478,7 +489,7 @@ def summarise_record(check: Any, record: dict[str, Any] | None, stopped: bool) -
         plan = Plan.from_dict(a["plan"])
         outcome = Outcome.from_dict(a["outcome"]) if a.get("outcome") else None
         entry = {"number": a["number"], "plan": plan.short(), "started": plan, "outcome": outcome, "directory": a["directory"],
-                 "log_tail": None if outcome is not None and outcome.kind == "finished" else check.tail(Path(a["directory"]) / "output.log")}
+                 "log_tail": None if outcome is not None and outcome.kind == "finished" else _log_end(Path(a["directory"]))}
         if outcome is None:
             current = heartbeat.get("plan") or plan.short()
             entry["current_plan"] = current

@@ -73,8 +73,38 @@ OOMGUARD = str(Path(sys.executable).with_name("oomguard"))
 QUEUE_JOB_FILE = ROOT / "jobs" / "examples" / "quickstart.toml"
 MiB = 2**20
 STARTED = time.monotonic()
+# Issue 18's targets for the queue: `oomguard status` of a 10,000-job queue, one `oomguard
+# submit` of 1,000 files, and an idle daemon with 100 queued and 4 running jobs.
+TARGET_STATUS_S = 0.2
+TARGET_SUBMIT_BATCH_S = 10.0
+TARGET_IDLE_CPU_PERCENT = 1.0
+# The idle measurement: a daemon with 4 emulated GPUs, a slow script on each, 100 jobs queued.
+IDLE_RUNNING = 4
+IDLE_QUEUED = 100
+IDLE_SCRIPT = '''"""A job that trains nothing: a step line every second, for bench/speed.py's idle daemon."""
+import sys
+import time
+
+for step in range(1, 100_000):
+    time.sleep(1.0)
+    print(f"step={step}", flush=True)
+'''
+IDLE_JOB = """name = "idle-{n}"
+trainer = "command"
+
+[command]
+argv = ["{python}", "{script}", "--micro_batch={{micro_batch}}"]
+
+[train]
+batch_size = 8
+max_steps = 100000
+
+[resources]
+gpus = 1
+memory = "8MiB"
+"""
 TAIL_SECONDS = 0.01
-TARGET_OVERHEAD = 1.02
+TARGET_OVERHEAD = 1.01
 
 # The jobs. Small models at 16x16 so that the steps are short on two shared cores.
 MODEL_QUICKSTART = """[model]
@@ -890,7 +920,8 @@ def _runner_pid(attempt_dir: Path) -> int | None:
 
 
 def queue_scale(
-    processes: Processes, scratch: Path, jobs: int, cli_sample: int, repeats: int, status_repeats: int, idle_seconds: float, timeout: float,
+    processes: Processes, scratch: Path, jobs: int, batch: int, cli_sample: int, repeats: int, status_repeats: int, idle_seconds: float,
+    timeout: float,
 ) -> dict[str, Any]:
     # Over 60 lines: one measurement's set-up, runs and figures, in the order they happen.
     from oomguard.daemon.inbox import spool_text, write_to_inbox
@@ -915,14 +946,22 @@ def queue_scale(
         def waiting() -> int:
             return store_rows(daemon.database, "select count(*) as n from jobs where waiting is not null")[0]["n"]
 
-        # oomguard submit, one after another (each waits until the daemon has queued it).
-        cli_walls = [daemon.submit(QUEUE_JOB_FILE, folder)[0] for _ in range(cli_sample)]
-        result["submit_cli_empty"] = {**spread(cli_walls), "jobs_per_s": len(cli_walls) / sum(cli_walls)}
-        log(f"queue: oomguard submit x{cli_sample} into a short queue: {result['submit_cli_empty']['jobs_per_s']:.1f} jobs/s")
+        # One `oomguard submit` of `batch` job files (it waits until the daemon has queued them all).
+        batch_dir = folder / "batch"
+        batch_dir.mkdir()
+        for i in range(batch):
+            shutil.copy(QUEUE_JOB_FILE, batch_dir / f"b{i:04d}.toml")
+        files = sorted(str(path) for path in batch_dir.glob("*.toml"))
+        wall, code, out = cli(processes, ["--state-dir", str(state_dir), "submit", *files], folder / "submit-batch.out", timeout)
+        said = len(re.findall(r"^job \d+ \(.*\) queued$", out, flags=re.M))
+        if code != 0 or said != batch or queued() != batch:
+            raise BenchError(f"oomguard submit of {batch} files exited {code}, said {said} queued, {queued()} in the store: {out[-1000:]}")
+        result["submit_batch"] = {"files": batch, "seconds": wall, "jobs_per_s": batch / wall, "target_s": TARGET_SUBMIT_BATCH_S}
+        log(f"queue: one oomguard submit of {batch} files: {wall:.1f} s ({batch / wall:.0f} jobs/s)")
 
         # The rest: dropped into the inbox as `oomguard submit` writes them (temp name, rename).
         text = spool_text(QUEUE_JOB_FILE, QUEUE_JOB_FILE.parent)
-        rest = jobs - cli_sample
+        rest = jobs - batch
         dropped_from = time.time()
         for i in range(rest):
             write_to_inbox(state_dir / "spool" / "inbox", f"q{i:05d}", text)
@@ -937,7 +976,7 @@ def queue_scale(
             if time.time() - dropped_from > max(timeout, 900):
                 raise BenchError(f"after {max(timeout, 900):.0f} s the daemon had queued {count} of {jobs} jobs")
             if time.monotonic() - last_said > 10:
-                log(f"queue: {count} of {jobs} queued, {(count - cli_sample) / (time.time() - dropped_from):.0f} jobs/s")
+                log(f"queue: {count} of {jobs} queued, {(count - batch) / (time.time() - dropped_from):.0f} jobs/s")
                 last_said = time.monotonic()
             time.sleep(0.1)
         queued_in = time.time() - dropped_from
@@ -945,7 +984,7 @@ def queue_scale(
         wait_for(lambda: waiting() >= jobs, max(timeout, 900), "every queued job to be marked waiting", interval=0.2)
         waiting_in = time.time() - dropped_from
         # When a quarter, half, three quarters of the inbox files were queued.
-        quarters = {f"{q}%": next(t for t, n in progress if n - cli_sample >= rest * q / 100) for q in (25, 50, 75, 100)}
+        quarters = {f"{q}%": next(t for t, n in progress if n - batch >= rest * q / 100) for q in (25, 50, 75, 100)}
         result["inbox"] = {"files": rest, "drop_s": dropped_in, "queued_s": queued_in, "jobs_per_s": rest / queued_in,
                            "all_waiting_s": waiting_in, "queued_after_s": quarters, "progress": progress[::10] + progress[-1:]}
         log(f"queue: the daemon queued {rest} inbox files in {queued_in:.1f} s ({rest / queued_in:.0f} jobs/s); "
@@ -966,14 +1005,20 @@ def queue_scale(
 
         # `status` lists the head of the queue (STATUS_QUEUED_SHOWN jobs) with the counts of
         # all; `status --all` lists every job.
-        from oomguard.daemon.cli.status import STATUS_QUEUED_SHOWN
+        from oomguard.daemon.cli.status_limits import STATUS_QUEUED_SHOWN
+        from oomguard.daemon.cli.status_limits import STATUS_PAGE_SIZE
 
-        for key, extra, expected in (("status", [], min(jobs, STATUS_QUEUED_SHOWN)), ("status_all", ["--all"], jobs)):
+        middle = max(1, jobs // STATUS_PAGE_SIZE // 2)
+        listings = (
+            ("status", [], min(jobs, STATUS_QUEUED_SHOWN)), ("status_page", ["--page", str(middle)], min(jobs, STATUS_PAGE_SIZE)),
+            ("status_all", ["--all"], jobs),
+        )
+        for key, extra, expected in listings:
             walls = []
             for r in range(status_repeats):
                 wall, code, out = cli(processes, ["--state-dir", str(state_dir), "status", *extra], folder / f"{key}.out", timeout)
                 rows = sum(1 for line in out.splitlines() if re.search(r"│\s*queued\s*│", line))
-                if code != 0 or rows != expected or f"{jobs} queued" not in out:
+                if code != 0 or rows != expected or f"{jobs} queued" not in out.replace("\n", " "):
                     raise BenchError(f"oomguard status {' '.join(extra)} exited {code} with {rows} queued rows (expected {expected})")
                 walls.append(wall)
             result[key] = spread(walls)
@@ -998,6 +1043,45 @@ def queue_scale(
     finally:
         daemon.stop()
     return result
+
+
+def idle_daemon(processes: Processes, scratch: Path, idle_seconds: float, timeout: float) -> dict[str, Any]:
+    """The daemon's own CPU while nothing happens but its attempts running: IDLE_RUNNING command
+    jobs (a script that prints a step a second) on as many emulated GPUs, IDLE_QUEUED more
+    queued behind them (--max-parallel), measured over at least 10 s."""
+    folder = scratch / "idle"
+    folder.mkdir()
+    script = folder / "idle_script.py"
+    script.write_text(IDLE_SCRIPT)
+    job_files = []
+    for n in range(IDLE_RUNNING + IDLE_QUEUED):
+        job_files.append(folder / f"idle-{n:03d}.toml")
+        job_files[-1].write_text(IDLE_JOB.format(n=n, python=sys.executable, script=script))
+    # --stop-jobs: the attempts end with the daemon (the script runs for a day otherwise).
+    daemon = Daemon(processes, folder / "state", "--emulate-gpus", f"{IDLE_RUNNING}x256MiB", "--max-parallel", str(IDLE_RUNNING), "--stop-jobs")
+    try:
+        wall, code, out = cli(processes, ["--state-dir", str(daemon.state_dir), "submit", *map(str, job_files)], folder / "submit.out", timeout)
+        if code != 0:
+            raise BenchError(f"oomguard submit exited {code}: {out[-1000:]}")
+
+        def steady() -> bool:
+            running = store_rows(daemon.database, "select count(*) as n from jobs where state = 'running'")[0]["n"]
+            return running == IDLE_RUNNING and all(
+                "step=2" in (Path(a["directory"]) / "output.log").read_text(errors="replace")
+                for a in store_rows(daemon.database, "select directory from attempts where ended_at is null")
+            )
+
+        wait_for(steady, timeout, f"{IDLE_RUNNING} attempts running and stepping", interval=0.2)
+        result = _idle(daemon, max(idle_seconds, 10.0))
+        states = {row["state"]: row["n"] for row in store_rows(daemon.database, "select state, count(*) as n from jobs group by state")}
+        if states != {"running": IDLE_RUNNING, "queued": IDLE_QUEUED}:
+            raise BenchError(f"the jobs changed state while the daemon idled: {states}")
+        result.update({"running": IDLE_RUNNING, "queued": IDLE_QUEUED, "target_percent": TARGET_IDLE_CPU_PERCENT,
+                       "daemon": f"oomguard daemon --emulate-gpus {IDLE_RUNNING}x256MiB --max-parallel {IDLE_RUNNING}"})
+        log(f"idle: daemon with {IDLE_QUEUED} queued and {IDLE_RUNNING} running: {result['cpu_percent']:.2f} % of a core")
+        return result
+    finally:
+        daemon.stop()
 
 
 def _idle(daemon: Daemon, seconds: float) -> dict[str, Any]:
@@ -1036,7 +1120,7 @@ def overhead_verdict(ov: dict[str, Any], short: bool = False) -> str:
 
 
 def summary_table(r: dict[str, Any]) -> str:
-    ip, rs, ov, q = r.get("in_process"), r.get("restart"), r.get("overhead"), r.get("queue")
+    ip, rs, ov, q, idle = r.get("in_process"), r.get("restart"), r.get("overhead"), r.get("queue"), r.get("idle")
     lines = ["| measure | median | max (or range) | n | target |", "|---|---|---|---|---|"]
     if ip:
         lines.append(f"| recovery in the process: last good step → next optimizer step, s | {fmt(ip['total']['median'])} | "
@@ -1060,21 +1144,34 @@ def summary_table(r: dict[str, Any]) -> str:
     if q:
         n = q["jobs"]
         lines += [
-            f"| `oomguard submit` into a short queue, jobs/s | {fmt(q['submit_cli_empty']['jobs_per_s'], '.1f')} | "
-            f"{fmt(q['submit_cli_empty']['min'])} – {fmt(q['submit_cli_empty']['max'])} s each | {q['submit_cli_empty']['n']} | |",
+            f"| one `oomguard submit` of {q['submit_batch']['files']} job files, until the daemon queued them all, s | "
+            f"{fmt(q['submit_batch']['seconds'], '.1f')} | {fmt(q['submit_batch']['jobs_per_s'], '.0f')} jobs/s | 1 | "
+            f"≤ {TARGET_SUBMIT_BATCH_S:g}: {_met(q['submit_batch']['seconds'] <= TARGET_SUBMIT_BATCH_S)} |",
             f"| inbox files queued by the daemon, jobs/s (until all {n} queued) | {fmt(q['inbox']['jobs_per_s'], '.0f')} | "
             f"{q['inbox']['files']} files in {fmt(q['inbox']['queued_s'], '.1f')} s | 1 | |",
             f"| `oomguard submit` with {n} queued, jobs/s | {fmt(q['submit_cli_full']['jobs_per_s'], '.2f')} | "
             f"{fmt(q['submit_cli_full']['min'])} – {fmt(q['submit_cli_full']['max'])} s each | {q['submit_cli_full']['n']} | |",
-            f"| `oomguard status` with {n} queued (the next 20 listed), s | {fmt(q['status']['median'])} | {fmt(q['status']['max'])} | {q['status']['n']} | |",
+            f"| `oomguard status` with {n} queued (the next 20 listed), s | {fmt(q['status']['median'])} | {fmt(q['status']['max'])} | "
+            f"{q['status']['n']} | ≤ {TARGET_STATUS_S:g}: {_met(q['status']['median'] <= TARGET_STATUS_S)} |",
+            *([f"| `oomguard status --page N` with {n} queued (50 listed), s | {fmt(q['status_page']['median'])} | "
+               f"{fmt(q['status_page']['max'])} | {q['status_page']['n']} | |"] if "status_page" in q else []),
             f"| `oomguard status --all` with {n} queued (all listed), s | {fmt(q['status_all']['median'])} | {fmt(q['status_all']['max'])} | {q['status_all']['n']} | |",
             f"| `oomguard show JOB` with {n} queued, s | {fmt(q['show']['median'])} | {fmt(q['show']['max'])} | {q['show']['n']} | |",
             f"| store size with {n} jobs (oomguard.db + -wal), MiB | {q['store_bytes_total'] / MiB:.1f} | "
             f"{', '.join(f'{k} {v / MiB:.1f}' for k, v in q['store_bytes'].items())} | 1 | |",
             f"| daemon CPU while idle with {n} queued jobs, % of a core | {q['idle_full']['cpu_percent']:.1f} | "
-            f"empty queue: {q['idle_empty']['cpu_percent']:.1f} % | {q['idle_full']['seconds']:.0f} s | idle |",
+            f"empty queue: {q['idle_empty']['cpu_percent']:.1f} % | {q['idle_full']['seconds']:.0f} s | |",
         ]
+    if idle:
+        lines.append(
+            f"| daemon CPU with {idle['queued']} queued and {idle['running']} running jobs, % of a core | {idle['cpu_percent']:.2f} | | "
+            f"{idle['seconds']:.0f} s | ≤ {TARGET_IDLE_CPU_PERCENT:g}: {_met(idle['cpu_percent'] <= TARGET_IDLE_CPU_PERCENT)} |"
+        )
     return "\n".join(lines)
+
+
+def _met(held: bool) -> str:
+    return "met" if held else "NOT met"
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -1221,25 +1318,37 @@ def markdown(r: dict[str, Any]) -> str:
             "",
             f"`{q['daemon']}`, and `oomguard neighbour --take 60MiB` holding 60 of the GPU's 64 MiB for the whole test: every job "
             f"(`{q['job_file']}`, which has not measured its need) waits for a GPU with 90 % free, so the daemon queues them and "
-            f"runs none, and every scheduling pass looks at each of them. {q['submit_cli_empty']['n']} jobs through `oomguard submit` "
-            f"(each returns once the daemon has queued it), then {q['inbox']['files']} files written into `spool/inbox` with "
+            f"runs none. {q['submit_batch']['files']} job files through one `oomguard submit` "
+            f"(it returns once the daemon has queued them all), then {q['inbox']['files']} files written into `spool/inbox` with "
             f"`write_to_inbox` (what submit does: a hidden temporary name, then a rename) in {q['inbox']['drop_s']:.1f} s, "
             f"while the daemon takes them in.",
             "",
             "| measure | value |",
             "|---|---|",
-            f"| `oomguard submit`, queue short | {fmt(q['submit_cli_empty']['jobs_per_s'], '.1f')} jobs/s (median {fmt(q['submit_cli_empty']['median'])} s each) |",
+            f"| one `oomguard submit` of {q['submit_batch']['files']} files | {q['submit_batch']['seconds']:.1f} s ({q['submit_batch']['jobs_per_s']:.0f} jobs/s) |",
             f"| inbox → queued ({q['inbox']['files']} files) | {q['inbox']['jobs_per_s']:.0f} jobs/s; all queued after {q['inbox']['queued_s']:.1f} s, "
             f"all marked waiting after {q['inbox']['all_waiting_s']:.1f} s; queued after "
             + ", ".join(f"{k}: {v:.1f} s" for k, v in q["inbox"]["queued_after_s"].items()) + " |",
             f"| `oomguard submit`, {n} queued | {fmt(q['submit_cli_full']['jobs_per_s'], '.2f')} jobs/s (median {fmt(q['submit_cli_full']['median'])} s each) |",
             f"| `oomguard status`, {n} queued (the next 20 listed) | median {fmt(q['status']['median'])} s, max {fmt(q['status']['max'])} s ({n_runs(q['status']['n'])}) |",
+            *([f"| `oomguard status --page N`, {n} queued (50 listed) | median {fmt(q['status_page']['median'])} s, max {fmt(q['status_page']['max'])} s "
+               f"({n_runs(q['status_page']['n'])}) |"] if "status_page" in q else []),
             f"| `oomguard status --all`, {n} queued | median {fmt(q['status_all']['median'])} s, max {fmt(q['status_all']['max'])} s ({n_runs(q['status_all']['n'])}) |",
             f"| `oomguard show JOB` (jobs {', '.join(map(str, q['show_jobs']))}) | median {fmt(q['show']['median'])} s, max {fmt(q['show']['max'])} s ({n_runs(q['show']['n'])}) |",
             f"| store | {', '.join(f'{k}: {v / MiB:.2f} MiB' for k, v in q['store_bytes'].items())}; {q['events']} events |",
             f"| daemon idle, empty queue | {q['idle_empty']['cpu_percent']:.1f} % of a core over {q['idle_empty']['seconds']:.0f} s |",
             f"| daemon idle, {n} queued | {q['idle_full']['cpu_percent']:.1f} % of a core over {q['idle_full']['seconds']:.0f} s |",
             f"| daemon memory (RSS), {n} queued | {fmt((q['daemon_rss_bytes'] or 0) / MiB, '.0f')} MiB |",
+            "",
+        ]
+    idle = r.get("idle")
+    if idle:
+        out += [
+            "## The daemon idle with running jobs",
+            "",
+            f"`{idle['daemon']}`: {idle['running']} command jobs running a script that prints a step line every second (it trains "
+            f"nothing, so the machine is quiet), {idle['queued']} more queued behind them. The daemon's own CPU time over "
+            f"{idle['seconds']:.0f} s: **{idle['cpu_percent']:.2f} % of a core** (target ≤ {idle['target_percent']:g} %).",
             "",
         ]
     out += ["## Method", "", *METHOD, ""]
@@ -1322,7 +1431,7 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=None, help="seconds of one turn of an arm in the overhead measurement (default 1)")
     parser.add_argument("--queue-jobs", type=int, default=None, help="jobs in the queue test (default 10000; 100 with --quick)")
     parser.add_argument("--idle-seconds", type=float, default=None, help="window of the idle CPU measurement (default 15; 1 with --quick)")
-    parser.add_argument("--only", choices=["in-process", "restart", "overhead", "queue"], action="append", help="run only these parts (repeatable)")
+    parser.add_argument("--only", choices=["in-process", "restart", "overhead", "queue", "idle"], action="append", help="run only these parts (repeatable)")
     parser.add_argument("--budget", type=float, default=None, help="seconds the whole run should take; the overhead measurement, run last, "
                         "takes fewer turns when the machine is slow (default 450; 50 with --quick)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run or CLI command may take (default 300)")
@@ -1337,9 +1446,10 @@ def main() -> int:
     queue_jobs = args.queue_jobs or (100 if quick else 10000)
     idle_seconds = args.idle_seconds or (1.0 if quick else 15.0)
     cli_sample = 2 if quick else 8
+    batch = 20 if quick else 1000
     repeats = 1 if quick else 2
     status_repeats = 1 if quick else 2
-    parts = args.only or ["in-process", "restart", "overhead", "queue"]
+    parts = args.only or ["in-process", "restart", "overhead", "queue", "idle"]
     budget = args.budget or (50.0 if quick else 450.0)
 
     command = " ".join([".venv/bin/python", "bench/speed.py", *map(shlex.quote, sys.argv[1:])])
@@ -1354,7 +1464,7 @@ def main() -> int:
         "load_average_at_start": os.getloadavg()[0],
     }
     settings = {"budget_s": budget, "quick": quick, "reps": reps, "pairs": pairs, "window": window, "queue_jobs": queue_jobs, "idle_seconds": idle_seconds,
-                "cli_sample": cli_sample, "repeats": repeats, "status_repeats": status_repeats, "parts": parts, "threads": THREAD_ENV}
+                "cli_sample": cli_sample, "batch": batch, "repeats": repeats, "status_repeats": status_repeats, "parts": parts, "threads": THREAD_ENV}
     log(f"speed benchmark: {', '.join(parts)}; {reps} repetitions, {pairs} A/B pairs of {window:g} s, {queue_jobs} queued jobs; "
         f"load average {machine['load_average_at_start']:.1f}")
 
@@ -1374,13 +1484,15 @@ def main() -> int:
         steps: dict[str, Callable[[], Any]] = {
             "in-process": lambda: in_process_recovery(processes, tailer, scratch, reps, args.timeout),
             "restart": lambda: restart_recovery(processes, scratch, reps, args.timeout),
-            "queue": lambda: queue_scale(processes, scratch, queue_jobs, cli_sample, repeats, status_repeats, idle_seconds, args.timeout),
+            "queue": lambda: queue_scale(processes, scratch, queue_jobs, batch, cli_sample, repeats, status_repeats, idle_seconds, args.timeout),
+            "idle": lambda: idle_daemon(processes, scratch, idle_seconds, args.timeout),
             # Last: its number of turns adapts to what is left of the time budget.
             "overhead": lambda: supervisor_overhead(processes, tailer, scratch, pairs, window, args.timeout, deadline=STARTED + budget,
                                                     min_pairs=2 if quick else 10, overlap_start=quick),
         }
         titles = {"in-process": "1a. recovery in the process", "restart": "1b. recovery with a restart",
-                  "queue": f"3. queue scale: {queue_jobs} jobs", "overhead": "2. supervisor overhead"}
+                  "queue": f"3. queue scale: {queue_jobs} jobs", "overhead": "2. supervisor overhead",
+                  "idle": f"4. the daemon idle with {IDLE_QUEUED} queued and {IDLE_RUNNING} running jobs"}
 
         def run(names: list[str]) -> None:
             for name in names:
@@ -1393,11 +1505,11 @@ def main() -> int:
         if quick:
             # Tiny sizes, figures that mean nothing: two parts at a time, to finish sooner.
             pool = ThreadPoolExecutor(max_workers=2)
-            futures = [pool.submit(run, ["in-process", "overhead"]), pool.submit(run, ["restart", "queue"])]
+            futures = [pool.submit(run, ["in-process", "overhead"]), pool.submit(run, ["restart", "queue", "idle"])]
             for future in futures:
                 future.result()
         else:
-            run(["in-process", "restart", "queue", "overhead"])
+            run(["in-process", "restart", "queue", "idle", "overhead"])
     finally:
         tailer.close()
         strays = processes.cleanup()

@@ -12,15 +12,16 @@ from typing import Any
 from oomguard.daemon.cluster_outcome import with_scheduler_end
 from oomguard.daemon.launch import Exit
 from oomguard.daemon.store_rows import AttemptRow, JobRow
-from oomguard.jobs.attempt import LOG, OUTCOME, AttemptFiles, attempt_files
+from oomguard.jobs.attempt import OUTCOME, AttemptFiles, attempt_files, read_log_end
 from oomguard.jobs.command import last_step_count
 from oomguard.jobs.script_report import ScriptReport, read_script_report
-from oomguard.strategies.oom_text import read_oom, read_tail
+from oomguard.strategies.oom_text import read_oom
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 
-# How much of a silent runner's output.log is read for the error it died of, and how much of
-# that end is kept in its outcome (traceback_tail: where the error it is summed up by is read).
+# How much of the end of a silent runner's log is read for the error it died of (across the
+# files a long log's end is kept in: jobs/attempt.py read_log_end), and how much of that end is
+# kept in its outcome (traceback_tail: where the error it is summed up by is read).
 OUTPUT_TAIL_BYTES = 256 * 1024
 TRACEBACK_TAIL_CHARS = 4000
 
@@ -102,8 +103,7 @@ def outcome_without_report(
     else:
         fallback = Outcome.from_exit_status(returncode)
     try:
-        with files.open(LOG) as log:
-            text = read_tail(log, max_bytes=OUTPUT_TAIL_BYTES)
+        text = read_log_end(files, OUTPUT_TAIL_BYTES)
     except OSError:
         text = ""
     verdict = read_oom(text)

@@ -33,7 +33,7 @@ from oomguard.strategies.units import format_duration_words
 # The scheduling pass: skipped while nothing changes, but run in full at least this often;
 # and at most this long per tick (a huge queue is gone through over several ticks, so that
 # attempts are still collected and systemd's watchdog still hears from the daemon).
-FULL_PASS_SECONDS = 10.0
+FULL_PASS_SECONDS = 60.0
 PASS_SECONDS = 1.0
 # How a queued job's note begins while it waits only for a slot (status' note column).
 SLOTS_TAKEN = "queued behind running job(s) "
@@ -105,26 +105,37 @@ class Scheduler:
     def run_pass(self) -> None:
         """One scheduling pass: the decisions of ``schedule`` over what the store and the GPUs
         hold now, applied in order (an attempt started, a waiting job's note written)."""
-        queued = self.store.queued_jobs()
-        if not queued:
-            return
         limit = slot_limit(self.max_parallel, self.gpus is not None)
-        if limit is not None and len(self.running) >= limit:
-            self._note_slots_taken(limit, queued)
-            return
+        slots_full = limit is not None and len(self.running) >= limit
         # What the GPUs hold is read once per pass: the pass itself counts what it starts.
-        gpus = self.gpus.read() if self.gpus is not None else None
-        # Nothing changed since the last pass (the same queue, the same attempts, the GPUs'
-        # free memory within 1/256 of each card): its answers stand. A full pass still runs every
-        # FULL_PASS_SECONDS, for what time changes (a job waiting too long).
+        gpus = self.gpus.read() if self.gpus is not None and not slots_full else None
+        # Nothing changed since the last pass (no job or attempt written, the same attempts
+        # running, the GPUs' free memory within 1/256 of each card): its answers stand, and the
+        # queue is not even read. A full pass still runs every FULL_PASS_SECONDS, for what time
+        # changes (a job waiting too long), and when a paused retry is due.
         now = self.clock.monotonic()
-        seen = pass_signature(queued, self.running, gpus)
+        seen = pass_signature(self.store.job_writes, self.running, gpus, slots_full)
         due = any(when <= now for when in self.not_before.values())
-        if seen == self._last_pass and not due and now - self._last_pass_at < min(FULL_PASS_SECONDS, self.stall_seconds):
-            return
-        self._last_pass, self._last_pass_at = seen, now
         # A retry whose pause is over is an ordinary queued job again.
         self.not_before = {job_id: when for job_id, when in self.not_before.items() if when > now}
+        if seen == self._last_pass and not due and now - self._last_pass_at < min(FULL_PASS_SECONDS, self.stall_seconds):
+            return
+        self._last_pass_at = now
+        # A pass's own writes (the notes of waiting jobs) are its answers, not a change to
+        # answer: unless it started an attempt (or ran out of time), the next tick sees what
+        # it left. Otherwise the next tick passes again.
+        done = self._pass(limit, slots_full, gpus)
+        after = pass_signature(self.store.job_writes, self.running, gpus, slots_full)
+        self._last_pass = None if not done else after if after[1:] == seen[1:] else seen
+
+    def _pass(self, limit: int | None, slots_full: bool, gpus: list[Any] | None) -> bool:
+        """The pass itself: False when it ran out of time (the rest of the queue next tick)."""
+        queued = self.store.queued_jobs()
+        if not queued:
+            return True
+        if slots_full:
+            self._note_slots_taken(limit, queued)  # type: ignore[arg-type] - slots are full only under a limit
+            return True
         decisions = schedule(
             queued, running=len(self.running), limit=limit, gpus=gpus, holders=self._holders(gpus) if gpus is not None else {},
             need_of=self.jobs.need, paused=frozenset(self.not_before),
@@ -137,11 +148,10 @@ class Scheduler:
             try:
                 decision = decisions.send(took)
             except StopIteration:
-                return
+                return True
             took = self._apply(decision, limit, queued)
             if self.clock.monotonic() > deadline:
-                self._last_pass = None  # the rest of the queue next tick
-                return
+                return False
 
     def _apply(self, decision: Decision, limit: int | None, queued: list[JobRow]) -> bool | None:
         """Carry out one decision; for a Start, whether the attempt started. One job's problem
@@ -294,14 +304,16 @@ def slot_limit(max_parallel: int | None, has_gpus: bool) -> int | None:
     return max_parallel if max_parallel is not None else (None if has_gpus else 1)
 
 
-def pass_signature(queued: list[JobRow], running: Mapping[int, Any], gpus: list[Any] | None) -> tuple[Any, ...]:
-    """What a pass sees: the same queue, the same attempts, the GPUs' free memory within 1/256
-    of each card. A pass that would see what the last one saw answers the same. Plans by their
-    stored text: parsing 10,000 plans would take ~0.5 s at every tick, comparing texts nothing."""
+def pass_signature(job_writes: int, running: Mapping[int, Any], gpus: list[Any] | None, slots_full: bool) -> tuple[Any, ...]:
+    """What a pass sees, without reading the queue: how many writes the store has made to jobs
+    and attempts (Store.job_writes: a queue that changed in any way moved it), the attempts
+    running, the GPUs' free memory within 1/256 of each card, and whether the slots are full.
+    A pass that would see what the last one saw answers the same."""
     return (
-        tuple((job.id, job.plan_json, job.wait_free_bytes, job.cancel_requested) for job in queued),
+        job_writes,
         tuple(sorted(running)),
         tuple((g.index, g.free * 256 // max(g.total, 1), len(g.processes)) for g in gpus) if gpus is not None else None,
+        slots_full,
     )
 
 

@@ -1,10 +1,32 @@
-"""The attempt shim: ``python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] -- COMMAND...``.
+"""The attempt shim: ``python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] [--log-limit BYTES] -- COMMAND...``.
 
 The daemon starts one per attempt, in a session of its own and (in system mode) as the job's
 owner. The shim enters the job's workdir (--workdir), writes the attempt's configuration
 (given on its standard input) into the attempt directory, starts COMMAND (the runner, or a
 user's command; in --cwd, a command job's [command] cwd, else in the workdir) with its output
 going to the job log, waits for it, and records how it ended in ``exit.json``.
+
+The log: the command's standard output and error are a pipe, which the shim copies into the
+attempt's log with a cap on its size (daemon/log_cap.py: output.log keeps the first bytes,
+output.tail.log and output.tail.log.1 the last; --log-limit BYTES, head and tail together,
+else log_cap.DEFAULT_LOG_LIMIT), so that a run of weeks cannot fill the disk. The pipe holds
+shim_output.PIPE_BYTES, so the command does not wait on the shim while it is busy for a moment (stopping
+ranks), and the shim goes on copying while the ranks stop, and until every writer is gone.
+If the shim itself is killed (SIGKILL) while the command runs, the pipe has no reader: the
+command's next write fails (SIGPIPE, or EPIPE where it ignores that), which ends most
+programs. That is acceptable because such an attempt is over anyway: nothing would record its
+exit, and the daemon kills what is left of a shim's attempt when it finds the shim gone
+(LocalLauncher.collect; on Slurm the job ends with its batch shell); the next attempt resumes
+from the last checkpoint. The shim is the last process of the attempt the kernel's OOM killer
+picks (the command's score is raised, below).
+
+Waiting costs nothing while the command runs quietly: the shim sleeps in one select on the
+command's exit (a pidfd), its output (the pipe), a failure mark appearing in the attempt's
+folder (inotify, through watchdog) and the signals it handles (their wakeup fd; each in
+daemon/shim_wakeups.py), with a
+timeout only while SIGUSR1 is to be passed on again. Where there is no pidfd (Linux before
+5.3) or the folder cannot be watched (the owner's inotify instances used up), it looks every
+POLL_SECONDS instead, as it always did.
 
 Every folder of the job is entered here, as the owner, never by the daemon: the daemon starts
 the shim in / (subprocess.Popen changes to its ``cwd=`` *before* it drops root's rights, so a
@@ -44,18 +66,23 @@ from __future__ import annotations
 
 import ctypes
 import os
+import selectors
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from oomguard.daemon import kernel_oom, processes
+from oomguard.daemon.log_cap import DEFAULT_LOG_LIMIT, MIN_LOG_LIMIT, CappedLog, check_limit
+from oomguard.daemon.shim_output import DRAIN_SECONDS, CommandOutput
+from oomguard.daemon.shim_wakeups import empty, exit_descriptor, mark_watch, signal_wakeup
 from oomguard.daemon.text import shorten
 from oomguard.daemon.users import user_name
-from oomguard.jobs.attempt import CONFIG, HEARTBEAT, LOG, METRICS, OUTCOME, SCHEDULES, write_json_atomic
+from oomguard.jobs.attempt import CONFIG, HEARTBEAT, METRICS, OUTCOME, SCHEDULES, write_json_atomic
 from oomguard.jobs.bootstrap import oomguard_ranks
 
 EXIT_STATUS = "exit.json"
@@ -64,7 +91,8 @@ EXIT_STATUS = "exit.json"
 CANNOT_USE_FOLDER = 3
 # The most of a failed process's error the shim's line quotes (a CUDA OOM's is ~600 characters).
 ERROR_CHARS = 1000
-# How often the shim looks for a failed rank's mark while the command runs.
+# How often the shim looks for a failed rank's mark, and for the command's exit, where it
+# cannot wait for them as events (no inotify watch, no pidfd).
 POLL_SECONDS = 0.2
 # How long the attempt's processes have between SIGTERM and SIGKILL once one rank has failed
 # (or the command has ended with processes left over).
@@ -72,17 +100,18 @@ TEARDOWN_GRACE_SECONDS = 3.0
 # SIGUSR1 (a cluster's time limit is near) is passed on again this often until the command ends.
 USR1_AGAIN_SECONDS = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
+USAGE = "usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] [--log-limit BYTES] -- COMMAND [ARG...]"
 
 
 def _arguments(args: list[str]) -> tuple[Path, dict[str, str], list[str]] | None:
-    """ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] -- COMMAND...: the folder, the
-    options given ({"--workdir": DIR, "--cwd": DIR, "--pass-usr1": ""}) and the command (None:
-    bad usage)."""
+    """ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] [--log-limit BYTES] -- COMMAND...:
+    the folder, the options given ({"--workdir": DIR, "--cwd": DIR, "--pass-usr1": "",
+    "--log-limit": BYTES}) and the command (None: bad usage)."""
     if not args:
         return None
     options: dict[str, str] = {}
     at = 1
-    while at + 1 < len(args) and args[at] in ("--workdir", "--cwd", "--pass-usr1") and args[at] not in options:
+    while at + 1 < len(args) and args[at] in ("--workdir", "--cwd", "--pass-usr1", "--log-limit") and args[at] not in options:
         if args[at] == "--pass-usr1":
             options[args[at]] = ""
             at += 1
@@ -125,11 +154,20 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     parsed = _arguments(args)
     if parsed is None:
-        print("usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] -- COMMAND [ARG...]", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     attempt_dir, options, command = parsed
+    log_limit = _log_limit(options.get("--log-limit"))
+    if log_limit is None:
+        print(f"--log-limit takes a number of bytes, at least {MIN_LOG_LIMIT}, not {options['--log-limit']!r}\n{USAGE}", file=sys.stderr)
+        return 2
     config = sys.stdin.read()
     problem = _prepare(attempt_dir, options.get("--workdir"), config)
+    if problem is None:
+        try:
+            log = CappedLog.with_limit(attempt_dir, log_limit)
+        except OSError as error:
+            problem = f"oomguard: the attempt cannot write its log in {attempt_dir} as {user_name(os.geteuid())}: {error.strerror or error}"
     if problem is not None:
         print(problem, file=sys.stderr)
         return CANNOT_USE_FOLDER
@@ -140,22 +178,33 @@ def main(argv: list[str] | None = None) -> int:
 
     received = _pass_signals_on(ours, pass_usr1="--pass-usr1" in options)
     environment = {**os.environ, processes.ATTEMPT_DIR_ENV: args[0]}
-    with (attempt_dir / LOG).open("ab") as log:
+    with log, CommandOutput(log) as output:
         oom_kills_before = kernel_oom.kills()
         pass_usr1 = "--pass-usr1" in options
-        child = _start(command, options.get("--cwd"), environment, attempt_dir, log, pass_usr1=pass_usr1)
+        child = _start(command, options.get("--cwd"), environment, attempt_dir, output, pass_usr1=pass_usr1)
         if child is None:
             return 127
         status: dict[str, Any] = {}
         again = (lambda: _pass_usr1_again(ours, received, status)) if pass_usr1 else (lambda: None)
-        returncode = _wait(child, attempt_dir, ours, log, status, again)
-        left_over = processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
+        returncode = _wait(child, attempt_dir, ours, output, status, again)
+        left_over = processes.end_all(output.copying(ours), TEARDOWN_GRACE_SECONDS)
+        output.copy_to_end(DRAIN_SECONDS)
         oom_kills = kernel_oom.kills_between(oom_kills_before, kernel_oom.kills())
         if left_over:
-            _say(log, f"ended {len(left_over)} process(es) of the attempt left running after the command exited")
+            _say(output, f"ended {len(left_over)} process(es) of the attempt left running after the command exited")
     _collect_orphans()
     _record_exit(attempt_dir, returncode, received, status.get("torn_down_at"), len(left_over), oom_kills)
     return 0
+
+
+def _log_limit(given: str | None) -> int | None:
+    """The log's cap: --log-limit's, else the default; None when the option is no such number."""
+    if given is None:
+        return DEFAULT_LOG_LIMIT
+    try:
+        return check_limit(int(given))
+    except ValueError:
+        return None
 
 
 def _pass_signals_on(ours: Callable[[], set[int]], *, pass_usr1: bool) -> list[str]:
@@ -181,16 +230,20 @@ def _pass_signals_on(ours: Callable[[], set[int]], *, pass_usr1: bool) -> list[s
     return received
 
 
-def _pass_usr1_again(ours: Callable[[], set[int]], received: list[str], status: dict[str, Any]) -> None:
+def _pass_usr1_again(ours: Callable[[], set[int]], received: list[str], status: dict[str, Any]) -> float | None:
     """SIGUSR1 passed on again every USR1_AGAIN_SECONDS until the command ends: Slurm may send
     it early, before the runner has its handler (the command starts with SIGUSR1 ignored, so
-    that one that comes too soon is not its death); a second one changes nothing."""
+    that one that comes too soon is not its death); a second one changes nothing. Returns the
+    seconds until it is due again; None before the first SIGUSR1 (nothing is due)."""
     if "SIGUSR1" not in received:
-        return
+        return None
     now = time.monotonic()
-    if now - status.setdefault("usr1_again_at", now) >= USR1_AGAIN_SECONDS:
-        status["usr1_again_at"] = now
-        processes.send(ours(), signal.SIGUSR1)
+    due = status.setdefault("usr1_again_at", now) + USR1_AGAIN_SECONDS
+    if now < due:
+        return due - now
+    status["usr1_again_at"] = now
+    processes.send(ours(), signal.SIGUSR1)
+    return USR1_AGAIN_SECONDS
 
 
 def _ignore_usr1_and_prefer_me() -> None:
@@ -201,13 +254,13 @@ def _ignore_usr1_and_prefer_me() -> None:
 
 
 def _start(
-    command: list[str], cwd: str | None, environment: dict[str, str], attempt_dir: Path, log: IO[bytes], *, pass_usr1: bool,
+    command: list[str], cwd: str | None, environment: dict[str, str], attempt_dir: Path, output: CommandOutput, *, pass_usr1: bool,
 ) -> subprocess.Popen[bytes] | None:
-    """The command, started with its output going to the log; None when it cannot start (said
-    in the log, and recorded in exit.json with return code 127)."""
+    """The command, started with its output going into the pipe to the log; None when it
+    cannot start (said in the log, and recorded in exit.json with return code 127)."""
     try:
         return subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment,
+            command, stdin=subprocess.DEVNULL, stdout=output.write_end, stderr=subprocess.STDOUT, env=environment,
             preexec_fn=_ignore_usr1_and_prefer_me if pass_usr1 else kernel_oom.prefer_me,
             cwd=cwd,
         )
@@ -215,9 +268,11 @@ def _start(
         where = f" in its [command] cwd {cwd}" if cwd is not None and error.filename == cwd else ""
         # The error's own line last, shaped as Python prints it: what the attempt is summed
         # up by (Outcome.summary), naming the missing program or folder.
-        log.write(f"oomguard: cannot start {command[0]}{where}: {error.strerror}\n{type(error).__name__}: {error}\n".encode())
+        output.write(f"oomguard: cannot start {command[0]}{where}: {error.strerror}\n{type(error).__name__}: {error}\n".encode())
         write_json_atomic(attempt_dir / EXIT_STATUS, {"returncode": 127, "ended_at": time.time(), "error": str(error)})
         return None
+    finally:
+        output.started()
 
 
 def _record_exit(
@@ -242,23 +297,55 @@ def _record_exit(
 
 
 def _wait(
-    child: subprocess.Popen[bytes], attempt_dir: Path, ours: Any, log: IO[bytes], status: dict[str, Any], every_poll: Callable[[], None],
+    child: subprocess.Popen[bytes], attempt_dir: Path, ours: Callable[[], set[int]], output: CommandOutput, status: dict[str, Any],
+    pass_usr1_again: Callable[[], float | None],
 ) -> int:
-    """Wait for the command; the first failed rank's mark brings the whole attempt down."""
-    while True:
-        try:
-            return child.wait(timeout=POLL_SECONDS)
-        except subprocess.TimeoutExpired:
-            pass
-        every_poll()
-        if "torn_down_at" in status:
-            continue
-        marks = oomguard_ranks.recorded(str(attempt_dir))
-        if marks:
-            first = marks[0]
-            _say(log, f"{_who(first)} died of {_clipped(first['error'])}; stopping every process of the attempt")
-            status["torn_down_at"] = time.time()
-            processes.end_all(ours, TEARDOWN_GRACE_SECONDS)
+    """Wait for the command, copying its output into the log; the first failed rank's mark
+    brings the whole attempt down. Wakes only for an event (see the module's docstring)."""
+    with ExitStack() as stack:
+        events = stack.enter_context(selectors.DefaultSelector())
+        events.register(output.read_end, selectors.EVENT_READ, "output")
+        signalled = stack.enter_context(signal_wakeup())
+        events.register(signalled, selectors.EVENT_READ, "signal")
+        exited = exit_descriptor(child.pid)
+        if exited is not None:
+            stack.callback(os.close, exited)
+            events.register(exited, selectors.EVENT_READ, "exit")
+        marked = stack.enter_context(mark_watch(attempt_dir))
+        if marked is not None:
+            events.register(marked, selectors.EVENT_READ, "mark")
+        look_for_marks = True  # once at the start too: a mark made before the watch began
+        while True:
+            if look_for_marks and "torn_down_at" not in status:
+                _tear_down_on_a_mark(attempt_dir, ours, output, status)
+            returncode = child.poll()
+            if returncode is not None:
+                return returncode
+            due = [pass_usr1_again()]
+            if exited is None or marked is None:
+                due.append(POLL_SECONDS)  # what cannot be waited for is looked at, as before
+            timeout = min((seconds for seconds in due if seconds is not None), default=None)
+            look_for_marks = marked is None
+            for key, _ in events.select(timeout):
+                if key.data == "output":
+                    output.copy()
+                    if output.ended:  # every writer closed it; the command's exit comes next
+                        events.unregister(output.read_end)
+                elif key.data == "mark":
+                    empty(key.fd)
+                    look_for_marks = True
+                elif key.data == "signal":
+                    empty(key.fd)  # the handler ran; the loop looks again at what is due
+                # "exit": child.poll() above
+
+
+def _tear_down_on_a_mark(attempt_dir: Path, ours: Callable[[], set[int]], output: CommandOutput, status: dict[str, Any]) -> None:
+    marks = oomguard_ranks.recorded(str(attempt_dir))
+    if marks:
+        first = marks[0]
+        _say(output, f"{_who(first)} died of {_clipped(first['error'])}; stopping every process of the attempt")
+        status["torn_down_at"] = time.time()
+        processes.end_all(output.copying(ours), TEARDOWN_GRACE_SECONDS)
 
 
 def _who(mark: dict[str, Any]) -> str:
@@ -273,9 +360,10 @@ def _clipped(error: str) -> str:
     return shorten(error, ERROR_CHARS)
 
 
-def _say(log: IO[bytes], text: str) -> None:
-    log.write(f"oomguard: {text}\n".encode())
-    log.flush()
+def _say(output: CommandOutput, text: str) -> None:
+    """A line of the shim's own in the log, after the command's output read so far."""
+    output.copy()
+    output.write(f"oomguard: {text}\n".encode())
 
 
 def _become_subreaper() -> None:

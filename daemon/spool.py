@@ -31,6 +31,7 @@ import json
 import os
 import queue
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,9 +106,10 @@ class Rejection:
 
 
 class _Handler(FileSystemEventHandler):
-    def __init__(self, ready: queue.Queue[Path], inbox: Path) -> None:
+    def __init__(self, ready: queue.Queue[Path], inbox: Path, arrived: threading.Event | None) -> None:
         self.ready = ready
         self.inbox = inbox
+        self.arrived = arrived
 
     def on_closed(self, event: FileClosedEvent) -> None:
         self._offer(str(event.src_path))
@@ -119,6 +121,8 @@ class _Handler(FileSystemEventHandler):
         path = Path(path_text)
         if path.parent == self.inbox and not path.name.startswith("."):
             self.ready.put(path)
+            if self.arrived is not None:
+                self.arrived.set()
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         return None
@@ -127,12 +131,16 @@ class _Handler(FileSystemEventHandler):
 class Spool:
     """Watches the inbox (watchdog, acting on close and on move, never on create)."""
 
-    def __init__(self, inbox: Path, accepted: Path, rejected: Path, rescan_seconds: float = 10.0) -> None:
+    def __init__(
+        self, inbox: Path, accepted: Path, rejected: Path, rescan_seconds: float = 10.0, arrived: threading.Event | None = None,
+    ) -> None:
+        """``arrived``: set whenever a file is offered, so that a daemon waiting on it takes the
+        file at once rather than at its next tick."""
         self.inbox, self.accepted, self.rejected = inbox, accepted, rejected
         self.rescan_seconds = rescan_seconds
         self._ready: queue.Queue[Path] = queue.Queue()
         self._observer = Observer()
-        self._observer.schedule(_Handler(self._ready, inbox.resolve()), str(inbox.resolve()), recursive=False)
+        self._observer.schedule(_Handler(self._ready, inbox.resolve(), arrived), str(inbox.resolve()), recursive=False)
         self._last_scan = 0.0
 
     def start(self) -> None:
@@ -187,6 +195,10 @@ class Spool:
             if path not in seen:
                 seen.append(path)
         return seen
+
+    def has_pending(self) -> bool:
+        """Whether files wait to be looked at (more than one pending() call took)."""
+        return not self._ready.empty()
 
     def _rename(self, path: Path, name: str) -> Path | None:
         """``path`` renamed to ``name`` in the inbox (never over another file); None if it has gone."""

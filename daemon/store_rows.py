@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from oomguard.jobs.spec import JobSpec
-from oomguard.strategies.outcome import Outcome
-from oomguard.strategies.plan import Plan
+if TYPE_CHECKING:  # imported where a row's object is first parsed: `oomguard status` needs none
+    from oomguard.jobs.spec import JobSpec
+    from oomguard.strategies.outcome import Outcome
+    from oomguard.strategies.plan import Plan
 
 def _columns(row_class: type, renamed: dict[str, str]) -> tuple[tuple[str, str], ...]:
     """(column, attribute) pairs in the table's column order (the dataclass' field order)."""
@@ -85,6 +86,8 @@ class JobRow:
     @cached_property
     def spec(self) -> JobSpec:
         """The job file as stored (masked), rebuilt without validation (JobSpec.load)."""
+        from oomguard.jobs.spec import JobSpec
+
         return JobSpec.load(self.spec_dict())
 
     def spec_dict(self) -> dict[str, Any]:
@@ -93,6 +96,8 @@ class JobRow:
 
     @cached_property
     def plan(self) -> Plan:
+        from oomguard.strategies.plan import Plan
+
         return Plan.from_dict(self.plan_dict())
 
     def plan_dict(self) -> dict[str, Any]:
@@ -147,6 +152,8 @@ class AttemptRow:
 
     @cached_property
     def plan(self) -> Plan:
+        from oomguard.strategies.plan import Plan
+
         return Plan.from_dict(self.plan_dict())
 
     def plan_dict(self) -> dict[str, Any]:
@@ -156,6 +163,8 @@ class AttemptRow:
     @cached_property
     def outcome(self) -> Outcome | None:
         """How it ended (None: it has not, as far as the store knows)."""
+        from oomguard.strategies.outcome import Outcome
+
         return Outcome.from_dict(self.outcome_dict()) if self.outcome_json else None
 
     def outcome_dict(self) -> dict[str, Any] | None:

@@ -5,7 +5,8 @@ runner (writer of the rest). No torch here: the daemon imports it.
     outcome.json    how it ended (strategies.outcome.Outcome)
     heartbeat.json  the latest step, loss, samples/s and memory, rewritten about once a second
     metrics.jsonl   one line per optimizer step
-    output.log      the runner's stdout and stderr
+    output.log      the runner's stdout and stderr: its first bytes, when it is long (then
+                    output.tail.log.1 and output.tail.log hold its end: daemon/log_cap.py)
     schedules.json  a command job's learning-rate schedules (jobs/bootstrap/oomguard_accelerate.py)
 """
 
@@ -17,19 +18,27 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from oomguard.jobs.device import DeviceSpec
-from oomguard.jobs.spec import JobSpec
-from oomguard.strategies.outcome import Phase
-from oomguard.strategies.plan import Plan
 from oomguard.strategies.errors import UnsafeFolder
+
+if TYPE_CHECKING:  # imported where an attempt.json is read: `oomguard status` reads heartbeats only
+    from oomguard.jobs.spec import JobSpec
+    from oomguard.strategies.outcome import Phase
+    from oomguard.strategies.plan import Plan
 
 CONFIG = "attempt.json"
 OUTCOME = "outcome.json"
 HEARTBEAT = "heartbeat.json"
 METRICS = "metrics.jsonl"
 LOG = "output.log"
+# A long log's end (daemon/log_cap.py): output.log keeps the first bytes and says where the
+# rest goes; the newest output is in LOG_TAIL, the segment before it in LOG_TAIL_OLDER, and
+# LOG_DROPPED counts the bytes between the head and them that no file holds any more.
+LOG_TAIL = "output.tail.log"
+LOG_TAIL_OLDER = "output.tail.log.1"
+LOG_DROPPED = "output.dropped.json"
 SCHEDULES = "schedules.json"
 
 
@@ -61,6 +70,9 @@ class AttemptConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AttemptConfig:
+        from oomguard.jobs.spec import JobSpec
+        from oomguard.strategies.plan import Plan
+
         return cls(
             job=JobSpec.load(data["job"]),
             plan=Plan.from_dict(data["plan"]),
@@ -295,6 +307,39 @@ class AttemptFiles:
 def attempt_files(folder: Path | AttemptFiles) -> AttemptFiles:
     """``folder`` as AttemptFiles: a path is opened as it is named (its own user reads it)."""
     return folder if isinstance(folder, AttemptFiles) else AttemptFiles(folder)
+
+
+def read_log_end(folder: Path | AttemptFiles, max_bytes: int) -> str:
+    """The last ``max_bytes`` of an attempt's output (from its first whole line when there was
+    more), where what it died of is: the end of output.log, or, once a long log goes on in its
+    tail files, of output.tail.log.1 and output.tail.log joined (the head's end only while the
+    tail has not been rotated: after that, output is missing between them). Missing files read
+    as empty; OSError when one cannot be read."""
+    files = attempt_files(folder)
+    pieces: list[bytes] = []
+    wanted = max_bytes
+    rotated = False
+    more = False  # output came before what was read
+    for name in (LOG_TAIL, LOG_TAIL_OLDER, LOG):
+        if name == LOG and rotated:
+            more = True
+            break
+        try:
+            handle = files.open(name)
+        except FileNotFoundError:
+            continue
+        rotated = rotated or name == LOG_TAIL_OLDER
+        with handle:
+            size = os.fstat(handle.fileno()).st_size
+            taken = min(size, wanted)
+            handle.seek(size - taken)
+            pieces.append(handle.read(taken))
+        wanted -= len(pieces[-1])
+        if taken < size:
+            more = True
+            break
+    text = b"".join(reversed(pieces)).decode("utf-8", errors="replace")
+    return text.partition("\n")[2] if more else text
 
 
 @dataclass

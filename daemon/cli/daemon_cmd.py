@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # for the annotations only: the daemon's modules are imported
     from oomguard.daemon.launch import Launcher
     from oomguard.daemon.monitor import GpuMonitor
     from oomguard.daemon.sd_notify import SystemdNotifier
+    from oomguard.daemon.spool import Spool
     from oomguard.daemon.supervisor import Supervisor
 
 
@@ -60,7 +62,7 @@ def _daemon(args: argparse.Namespace) -> int:
 
     max_user_priority = _max_user_priority(args)
     config = _config(args)
-    launcher = _launcher(config)
+    launcher = _launcher(config, _log_limit(args.log_limit))
     state, lock = _claim_state_dir(args.state_dir)
     store = Store(state.database)
     # On a cluster Slurm places attempts: no GPU of this machine is watched or placed on.
@@ -68,13 +70,17 @@ def _daemon(args: argparse.Namespace) -> int:
     max_parallel = args.max_parallel if args.max_parallel is not None or config.backend == "local" else config.slurm.max_jobs
     config_paths = [Path(p) for p in args.notify_config] if args.notify_config else None
     notifier = Notifier(config_paths, throttle_seconds=args.notify_throttle)
-    spool = Spool(state.inbox, state.accepted, state.rejected)
+    # What wakes the loop before its poll interval is up: a file in the inbox, an attempt's
+    # shim (our child) ending.
+    wake = threading.Event()
+    spool = Spool(state.inbox, state.accepted, state.rejected, arrived=wake)
     supervisor = Supervisor(
         state, store, max_parallel=max_parallel, device=device_from_option(args.emulate_device_memory), on_event=print_event,
         spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
         max_user_priority=max_user_priority, launcher=launcher,
     )
-    stop_on_signals(supervisor, stop_jobs=args.stop_jobs)
+    stop_on_signals(supervisor, stop_jobs=args.stop_jobs, wake=wake)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: wake.set())
     spool.start()
     systemd = SystemdNotifier()
     stopping = _StoppingNotice(systemd)
@@ -86,7 +92,7 @@ def _daemon(args: argparse.Namespace) -> int:
             print(f"attempts go to Slurm ({_where(config.slurm)}), at most {max_parallel} at once", flush=True)
         print(f"oomguard daemon {os.getpid()} watching {state.inbox} ({mode})", flush=True)
         systemd.ready(f"watching {state.inbox}")
-        _supervise(supervisor, systemd, stopping, args.poll_interval)
+        _supervise(supervisor, spool, systemd, stopping, args.poll_interval, wake)
     finally:
         stopping.send()
         spool.stop()
@@ -126,14 +132,29 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
     return config
 
 
-def _launcher(config: DaemonConfig) -> Launcher | None:
-    """The Launcher of the config's backend (None: the local one, the Supervisor's default)."""
-    if config.backend == "local":
+def _log_limit(text: str | None) -> int | None:
+    """--log-limit in bytes, checked (None: the shim's default, daemon/log_cap.py)."""
+    if text is None:
         return None
+    from oomguard.daemon.log_cap import check_limit
+    from oomguard.strategies.units import parse_size
+
+    try:
+        return check_limit(parse_size(text))
+    except ValueError as error:
+        raise CliError(f"--log-limit: {error}") from None
+
+
+def _launcher(config: DaemonConfig, log_limit_bytes: int | None) -> Launcher:
+    """The Launcher of the config's backend, keeping each attempt's log within ``log_limit_bytes``."""
+    if config.backend == "local":
+        from oomguard.daemon.launch.local import LocalLauncher
+
+        return LocalLauncher(log_limit_bytes=log_limit_bytes)
     from oomguard.daemon.launch.slurm import NoSlurm, SlurmLauncher
 
     try:
-        launcher = SlurmLauncher(config.slurm)
+        launcher = SlurmLauncher(config.slurm, log_limit_bytes=log_limit_bytes)
         launcher.check()
     except NoSlurm as error:
         raise CliError(f"backend = \"slurm\": {error}") from None
@@ -197,12 +218,18 @@ class _StoppingNotice:
             self.sent = True
 
 
-def _supervise(supervisor: Supervisor, systemd: SystemdNotifier, stopping: _StoppingNotice, poll_interval: float) -> None:
-    """The daemon's loop, until the supervisor has stopped."""
+def _supervise(
+    supervisor: Supervisor, spool: Spool, systemd: SystemdNotifier, stopping: _StoppingNotice, poll_interval: float, wake: threading.Event,
+) -> None:
+    """The daemon's loop, until the supervisor has stopped: a tick, then a wait of at most
+    ``poll_interval`` that a file in the inbox, a shim's exit or a signal ends at once (and none
+    while the inbox holds more files than a tick takes)."""
     while not supervisor.stopped():
+        wake.clear()
         supervisor.tick()
         systemd.tick()
         if supervisor.stopping:
             # Attempts are checkpointing: systemd waits for them (TimeoutStopSec).
             stopping.send()
-        time.sleep(poll_interval)
+        if not spool.has_pending():
+            wake.wait(poll_interval)

@@ -1,5 +1,6 @@
 """`oomguard diagnose LOGFILE`: read a training log and say whether it ran out of memory, which
-memory, why, and what oomguard does about it."""
+memory, why, and what oomguard does about it. LOGFILE may be an attempt's folder, or its
+output.log: a long log's end is then read from the tail files beside it (daemon/log_cap.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from oomguard.daemon.cli.output import EXIT_OK, CliError, say
-from oomguard.jobs.attempt import LOG
+from oomguard.jobs.attempt import LOG, LOG_TAIL, LOG_TAIL_OLDER
 
 if TYPE_CHECKING:  # for the annotations only: oom_text is imported when a log is read
     from oomguard.strategies.oom_verdict import OomVerdict
@@ -52,14 +53,22 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 def _read_verdict(logfile: str) -> OomVerdict:
     """The verdict on a log file, or of standard input for "-"."""
-    from oomguard.strategies.oom_text import read_oom, read_oom_log
+    from oomguard.jobs.attempt import read_log_end
+    from oomguard.strategies.oom_text import LOG_TAIL_BYTES, read_oom, read_oom_log
 
     if logfile == "-":
         return read_oom(sys.stdin.read())
     path = Path(logfile)
+    attempt: Path | None = None  # the attempt folder whose log is read, end first
     if path.is_dir():
-        raise CliError(f"{path}: is a directory; give the log file itself, e.g. {path / 'attempts' / '001' / LOG}")
+        if not (path / LOG).is_file():
+            raise CliError(f"{path}: is a directory without a {LOG}; give a log file, or an attempt's folder, e.g. {path / 'attempts' / '001'}")
+        attempt = path
+    elif path.name == LOG and any((path.parent / name).exists() for name in (LOG_TAIL, LOG_TAIL_OLDER)):
+        attempt = path.parent  # a long attempt log: output.log holds its start, the tail files its end
     try:
+        if attempt is not None:
+            return read_oom(read_log_end(attempt, LOG_TAIL_BYTES))
         return read_oom_log(path)
     except FileNotFoundError:
         raise CliError(f"{path}: no such file; give the path of a training log, or - to read standard input") from None

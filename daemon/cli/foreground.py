@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,9 @@ class DaemonLock:
         self.file.flush()
 
 
-def stop_on_signals(supervisor: Any, *, stop_jobs: bool = True) -> None:
+def stop_on_signals(supervisor: Any, *, stop_jobs: bool = True, wake: threading.Event | None = None) -> None:
     """SIGTERM/SIGINT: checkpoint and stop running attempts (``stop_jobs``), or leave them
-    running for the next daemon to adopt."""
+    running for the next daemon to adopt; ``wake`` is set so that a waiting loop acts at once."""
 
     def handler(signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
@@ -42,6 +43,8 @@ def stop_on_signals(supervisor: Any, *, stop_jobs: bool = True) -> None:
         else:
             print(f"received {name}: leaving running attempts running; the next daemon adopts them", flush=True)
             supervisor.leave_all()
+        if wake is not None:
+            wake.set()
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)

@@ -1,10 +1,9 @@
-"""The commands about one job in the daemon's queue: `submit` and `cancel` (through the spool,
-answered by the daemon in the store), `show`, `logs` and `report`."""
+"""The commands about one job in the daemon's queue: `cancel` (through the spool, answered by
+the daemon in the store), `show`, `logs` and `report` (`submit`: daemon/cli/submit.py)."""
 
 from __future__ import annotations
 
 import argparse
-import codecs
 import json
 import os
 import sys
@@ -12,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from oomguard.daemon.cli.log_print import AttemptLog
 from oomguard.daemon.cli.output import EXIT_FAILED, EXIT_OK, CliError, say, short_plan
 from oomguard.daemon.cli.state import answer_to, current_user, find_job, job_record, open_store, write_spool_file
 from oomguard.daemon.inbox import request_text, spool_text
@@ -20,31 +20,6 @@ from oomguard.daemon.text import escape
 from oomguard.jobs.attempt import LOG
 from oomguard.jobs.spec import load_job_file
 from oomguard.strategies.errors import JobFileError, ReportError
-
-
-def cmd_submit(args: argparse.Namespace) -> int:
-    path = Path(args.file)
-    try:
-        submit_dir = Path.cwd()
-    except FileNotFoundError:
-        raise CliError("the folder you are in was removed; cd to an existing folder and submit again") from None
-    try:
-        spec = load_job_file(path, submit_dir)
-    except JobFileError as error:
-        raise CliError(f"rejected: {error}") from None
-    state, store = open_store(args.state_dir)
-    spooled = write_spool_file(state.inbox, path.stem, spool_text(path, submit_dir))
-    deadline = time.monotonic() + args.wait
-    while time.monotonic() < deadline:
-        job, answer = answer_to(store, spooled)
-        if job is not None:
-            print(f"job {job.id} ({job.name}) queued")
-            return EXIT_OK
-        if answer is not None:  # the daemon refused it (e.g. a priority above the cap)
-            raise CliError(f"refused: {answer.answer}", EXIT_FAILED)
-        time.sleep(0.1)
-    print(f"{spec.name} is in the spool ({spooled}); the daemon queues it when it runs (`oomguard daemon`)")
-    return EXIT_OK
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -136,48 +111,39 @@ def _print_runner_record(outcome: dict[str, Any]) -> None:
 def cmd_logs(args: argparse.Namespace) -> int:
     _, store = open_store(args.state_dir)
     job = find_job(store, args.job)
-    # Per attempt log: how much of it is printed, and a decoder that keeps a character split
-    # between two reads whole.
-    printed: dict[str, tuple[int, codecs.IncrementalDecoder]] = {}
     # The owner sees their own output as their program wrote it (colours, progress bars, as
     # `cat` would show it); anyone else (root, an admin) sees it escaped but for its newlines,
     # carriage returns and tabs: a job's output must not act on the terminal of whoever reads it.
     own = job.owner_uid == os.geteuid() if job.owner_uid is not None else job.owner == current_user()
-    while True:
-        for attempt in store.attempts(job.id):
-            directory = attempt.directory
-            if directory not in printed:
-                print(f"== attempt {attempt.number} ({short_plan(attempt.plan_dict())}) ==", flush=True)
-                printed[directory] = (0, codecs.getincrementaldecoder("utf-8")(errors="replace"))
-            offset, decoder = printed[directory]
-            try:
-                printed[directory] = (_print_log_from(Path(directory) / LOG, offset, decoder, raw=own), decoder)
-            except PermissionError:
-                raise CliError(f"cannot read {Path(directory) / LOG}: it belongs to {job.owner}, whose job it is; ask them, or run it as root", EXIT_FAILED) from None
-        if not args.follow or store.job(job.id).state in TERMINAL_STATES:
-            return EXIT_OK
-        time.sleep(0.5)
 
+    def write(text: str) -> None:
+        sys.stdout.write(text if own else escape(text, keep="\n\r\t"))
+        sys.stdout.flush()
 
-# `logs` copies a log a block at a time: a log of gigabytes is never held in memory, and a
-# reader that went away is noticed at the next block.
-LOG_BLOCK_BYTES = 1 << 16
-
-
-def _print_log_from(log: Path, offset: int, decoder: codecs.IncrementalDecoder, *, raw: bool = True) -> int:
-    """Print ``log`` from byte ``offset`` to its current end; returns the new end. Not ``raw``:
-    escaped but for newlines, carriage returns and tabs (text.escape)."""
+    # Per attempt: its log, printed from where the last look stopped (daemon/cli/log_print.py:
+    # the head, how much was dropped, the tail files, across their renames).
+    logs: dict[str, AttemptLog] = {}
     try:
-        with log.open("rb") as f:
-            f.seek(offset)
-            for block in iter(lambda: f.read(LOG_BLOCK_BYTES), b""):
-                text = decoder.decode(block)
-                sys.stdout.write(text if raw else escape(text, keep="\n\r\t"))
-                sys.stdout.flush()
-                offset += len(block)
-    except FileNotFoundError:
-        pass  # the attempt has not started writing yet
-    return offset
+        while True:
+            for attempt in store.attempts(job.id):
+                directory = attempt.directory
+                if directory not in logs:
+                    print(f"== attempt {attempt.number} ({short_plan(attempt.plan_dict())}) ==", flush=True)
+                    logs[directory] = AttemptLog(Path(directory), write)
+                try:
+                    logs[directory].print_new()
+                except BrokenPipeError:
+                    raise  # the reader went away (`oomguard logs 1 | head`): the CLI ends quietly
+                except PermissionError:
+                    raise CliError(f"cannot read {Path(directory) / LOG}: it belongs to {job.owner}, whose job it is; ask them, or run it as root", EXIT_FAILED) from None
+                except OSError as error:
+                    raise CliError(f"cannot read {error.filename or Path(directory) / LOG}: {error.strerror or error} (a log is read only as a regular file, never through a link)", EXIT_FAILED) from None
+            if not args.follow or store.job(job.id).state in TERMINAL_STATES:
+                return EXIT_OK
+            time.sleep(0.5)
+    finally:
+        for log in logs.values():
+            log.close()
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -5,16 +5,25 @@ order `oomguard --help` lists them."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 
-from oomguard.daemon.cli.daemon_cmd import cmd_daemon
-from oomguard.daemon.cli.diagnose import cmd_diagnose
-from oomguard.daemon.cli.gpus import cmd_gpus, cmd_neighbour
-from oomguard.daemon.cli.jobs import cmd_cancel, cmd_logs, cmd_report, cmd_show, cmd_submit
-from oomguard.daemon.cli.run import cmd_run
-from oomguard.daemon.cli.status import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN, cmd_status
+from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_PAGE_SIZE, STATUS_QUEUED_SHOWN
 from oomguard.jobs.device import EMULATE_DEVICE_MEMORY_ENV
+
+
+def _handler(module: str, function: str) -> Callable[[argparse.Namespace], int]:
+    """The command's function, imported only when that command runs: `oomguard status` must
+    not pay for what `daemon`, `run` or `report` import (the whole CLI imported ~150 ms of
+    modules before any command began; a status of a 10,000-job queue is to take 200 ms)."""
+
+    def run(args: argparse.Namespace) -> int:
+        return int(getattr(importlib.import_module(f"oomguard.daemon.cli.{module}"), function)(args))
+
+    run.__qualname__ = f"{module}.{function}"
+    return run
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="oomguard", description="Keeps diffusion training jobs alive through GPU out-of-memory errors.")
@@ -66,6 +75,10 @@ def _add_daemon(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     daemon.add_argument(
         "--stall-after", type=float, default=1800.0, metavar="SECONDS", help="report an attempt as stalled after SECONDS without a heartbeat, and a job that waited that long for a GPU (default 1800)"
     )
+    daemon.add_argument(
+        "--log-limit", metavar="SIZE", default=None,
+        help="keep each attempt's output log within SIZE: its first quarter in output.log, its newest output in output.tail.log(.1) (default 64MiB)",
+    )
     daemon.add_argument("--gpu-sample-seconds", type=float, default=5.0, help=argparse.SUPPRESS)
     _add_emulate_device_memory(daemon)
     daemon.add_argument(
@@ -73,37 +86,43 @@ def _add_daemon(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="on SIGTERM/Ctrl-C, checkpoint and stop running attempts and requeue them (default: leave them running for the next daemon)",
     )
     daemon.add_argument("--poll-interval", type=float, default=0.5, help=argparse.SUPPRESS)
-    daemon.set_defaults(handler=cmd_daemon)
+    daemon.set_defaults(handler=_handler("daemon_cmd", "cmd_daemon"))
 
 
 def _add_submit_and_status(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    submit = commands.add_parser("submit", help="validate a job file and queue it")
-    submit.add_argument("file")
-    submit.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the daemon to queue it (default 10)")
-    submit.set_defaults(handler=cmd_submit)
+    submit = commands.add_parser("submit", help="validate job files and queue them (all or none: a bad file refuses the batch)")
+    submit.add_argument("files", nargs="+", metavar="FILE")
+    submit.add_argument(
+        "--wait", type=float, default=10.0, help="seconds to wait for the daemon to queue them, from its last answer (default 10)",
+    )
+    submit.set_defaults(handler=_handler("submit", "cmd_submit"))
 
     status = commands.add_parser(
         "status",
         help=f"a table of the jobs: those running, the next {STATUS_QUEUED_SHOWN} queued and the last {STATUS_ENDED_SHOWN} ended (--all: every job)",
     )
-    status.add_argument("--all", action="store_true", help="list every job, however many")
-    status.set_defaults(handler=cmd_status)
+    listing = status.add_mutually_exclusive_group()
+    listing.add_argument("--all", action="store_true", help="list every job, however many")
+    listing.add_argument(
+        "--page", type=int, metavar="N", default=None, help=f"list page N of every job in id order, {STATUS_PAGE_SIZE} to a page",
+    )
+    status.set_defaults(handler=_handler("status", "cmd_status"))
 
 
 def _add_gpu_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`gpus`, and `report` (listed between it and `neighbour`, as ever)."""
-    commands.add_parser("gpus", help="the GPUs, what is on them, and which jobs").set_defaults(handler=cmd_gpus)
+    commands.add_parser("gpus", help="the GPUs, what is on them, and which jobs").set_defaults(handler=_handler("gpus", "cmd_gpus"))
 
     report = commands.add_parser("report", help="a PNG of a job's memory over time per attempt, OOMs, rungs and samples/s")
     report.add_argument("job", help="job id or name")
     report.add_argument("-o", "--output", metavar="PNG", help="where to write it (default: oomguard-job-ID.png here)")
-    report.set_defaults(handler=cmd_report)
+    report.set_defaults(handler=_handler("jobs", "cmd_report"))
 
     neighbour = commands.add_parser("neighbour", help="hold memory on an emulated GPU for a while (to try contention)")
     neighbour.add_argument("--gpu", type=int, default=0, help="the emulated GPU (default 0)")
     neighbour.add_argument("--take", required=True, metavar="SIZES", help="memory to hold, e.g. 40MiB; 10MiB,40MiB holds each in turn")
     neighbour.add_argument("--seconds", type=float, default=10.0, help="how long to hold each size (default 10)")
-    neighbour.set_defaults(handler=cmd_neighbour)
+    neighbour.set_defaults(handler=_handler("gpus", "cmd_neighbour"))
 
 
 def _add_job_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -111,24 +130,24 @@ def _add_job_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     show = commands.add_parser("show", help="one job with its attempts, plans and outcomes")
     show.add_argument("job", help="job id or name")
     show.add_argument("--json", action="store_true")
-    show.set_defaults(handler=cmd_show)
+    show.set_defaults(handler=_handler("jobs", "cmd_show"))
 
     logs = commands.add_parser("logs", help="the training output of a job's attempts")
     logs.add_argument("job", help="job id or name")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
-    logs.set_defaults(handler=cmd_logs)
+    logs.set_defaults(handler=_handler("jobs", "cmd_logs"))
 
     cancel = commands.add_parser("cancel", help="checkpoint and stop a job (yours, or any if you are root or an admin)")
     cancel.add_argument("job", help="job id or name")
     cancel.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the daemon's answer (default 10)")
-    cancel.set_defaults(handler=cmd_cancel)
+    cancel.set_defaults(handler=_handler("jobs", "cmd_cancel"))
 
 
 def _add_diagnose(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     diagnose = commands.add_parser("diagnose", help="read a training log: did it run out of memory, which memory, and why")
     diagnose.add_argument("logfile", metavar="LOGFILE", help="a log file (its last error decides), or - for standard input")
     diagnose.add_argument("--json", action="store_true", help="print the verdict as a JSON object")
-    diagnose.set_defaults(handler=cmd_diagnose)
+    diagnose.set_defaults(handler=_handler("diagnose", "cmd_diagnose"))
 
 
 def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -137,4 +156,4 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     run.add_argument("--workdir", required=True, help="where checkpoints, attempts and the final model go")
     _add_emulate_device_memory(run)
     run.add_argument("--json", action="store_true", help="print only the final job record as JSON")
-    run.set_defaults(handler=cmd_run)
+    run.set_defaults(handler=_handler("run", "cmd_run"))

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import pwd
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from oomguard.daemon.cli.output import EXIT_FAILED, CliError
-from oomguard.daemon.inbox import job_key_problem, write_to_inbox
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store, owns
 from oomguard.daemon.store_rows import AttemptRow, JobRow, RequestRow
@@ -36,11 +36,13 @@ def device_from_option(text: str | None) -> DeviceSpec:
         raise CliError(f"--emulate-device-memory: {error}") from None
 
 
-def open_store(state_dir: Path) -> tuple[StateDir, Store]:
+def open_store(state_dir: Path, *, snapshot: bool = False) -> tuple[StateDir, Store]:
     """The state directory and its store: read-only for a user who may read a system daemon's
-    store but not write it (the daemon owns it; users talk to it through the spool)."""
+    store but not write it (the daemon owns it; users talk to it through the spool), and for a
+    ``snapshot``: a command that reads once what is there now (`status`) needs neither the
+    schema check nor sqlite-utils, which a store opened for writing loads (~70 ms)."""
     state = StateDir(state_dir)
-    if state.database.exists() and not os.access(state.database, os.W_OK):
+    if state.database.exists() and (snapshot or not os.access(state.database, os.W_OK)):
         return state, Store(state.database, readonly=True)
     return create_state_dir(state_dir), Store(state.database)
 
@@ -61,6 +63,8 @@ def find_job(store: Store, key: str) -> dict[str, Any]:
     no possible id ("99999999999999999999", or "\u00b2", a digit to str.isdigit) is "no such job"
     (exit 3), not the OverflowError or ValueError the store raised for it."""
 
+    from oomguard.daemon.inbox import job_key_problem
+
     problem = job_key_problem(key)
     if problem:
         raise JobNotFound(problem)
@@ -73,6 +77,8 @@ def find_job(store: Store, key: str) -> dict[str, Any]:
 
 def write_spool_file(inbox: Path, stem: str, text: str, suffix: str = ".toml") -> Path:
     """A new file in the inbox under a fresh unguessable name (inbox.write_to_inbox)."""
+    from oomguard.daemon.inbox import write_to_inbox
+
     try:
         return write_to_inbox(inbox, stem, text, suffix)
     except InboxNameTaken as error:
@@ -87,30 +93,49 @@ def write_spool_file(inbox: Path, stem: str, text: str, suffix: str = ".toml") -
         ) from None
 
 
-def answer_to(store: Store, spooled: Path) -> tuple[JobRow | None, RequestRow | None]:
-    """What the daemon recorded for the inbox file ``spooled`` that this process wrote: (the job
-    it queued, the answer to it), both None while there is none. Only a record for this user
-    counts: the CLI never reports anyone else's answer as its own (a record under its name for
-    another user means the name was taken; it is not its answer)."""
+@dataclass(frozen=True)
+class Answer:
+    """What the daemon recorded for an inbox file that this process wrote."""
+
+    job: JobRow | None = None  # the job it queued
+    request: RequestRow | None = None  # its answer to a request, or its refusal of a job file
+    problem: str | None = None  # the file's name holds another user's record: no answer to it
+
+
+def answers_to(store: Store, spooled: list[Path]) -> dict[Path, Answer]:
+    """What the daemon recorded for each inbox file in ``spooled`` that this process wrote
+    (files without a record yet are left out), in two queries however many. Only a record for
+    this user counts: the CLI never reports anyone else's answer as its own (a record under its
+    name for another user means the name was taken; it is not its answer)."""
     uid = os.geteuid()
     me = user_name(uid)
-    job = store.job_by_spool_file(spooled.name)
-    if job is not None:
-        if owns(job, uid, me):
-            return job, None
-        raise CliError(
-            f"the daemon recorded the name of your file {spooled.name} for job {job.id} of {job.owner}, not for you: "
-            "that is not your job, and yours was not queued; submit it again (it gets a new name)", EXIT_FAILED,
-        )
-    answer = store.request_by_file(spooled.name)
-    if answer is not None:
-        if answer.requester == me:
-            return None, answer
-        raise CliError(
-            f"the daemon recorded the name of your file {spooled.name} for a file of {answer.requester}, not for you: "
-            "its answer is not yours, and yours was not answered; run the command again (it gets a new name)", EXIT_FAILED,
-        )
-    return None, None
+    names = [path.name for path in spooled]
+    jobs = store.jobs_by_spool_files(names)
+    requests = store.requests_by_files([name for name in names if name not in jobs])
+    answers: dict[Path, Answer] = {}
+    for path in spooled:
+        job, request = jobs.get(path.name), requests.get(path.name)
+        if job is not None:
+            answers[path] = Answer(job=job) if owns(job, uid, me) else Answer(problem=(
+                f"the daemon recorded the name of your file {path.name} for job {job.id} of {job.owner}, not for you: "
+                "that is not your job, and yours was not queued; submit it again (it gets a new name)"
+            ))
+        elif request is not None:
+            answers[path] = Answer(request=request) if request.requester == me else Answer(problem=(
+                f"the daemon recorded the name of your file {path.name} for a file of {request.requester}, not for you: "
+                "its answer is not yours, and yours was not answered; run the command again (it gets a new name)"
+            ))
+    return answers
+
+
+def answer_to(store: Store, spooled: Path) -> tuple[JobRow | None, RequestRow | None]:
+    """What the daemon recorded for one inbox file this process wrote (answers_to): (the job it
+    queued, the answer to it), both None while there is none; a record of another user's under
+    its name is refused (CliError)."""
+    answer = answers_to(store, [spooled]).get(spooled, Answer())
+    if answer.problem is not None:
+        raise CliError(answer.problem, EXIT_FAILED)
+    return answer.job, answer.request
 
 
 def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:

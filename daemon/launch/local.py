@@ -20,6 +20,7 @@ from typing import Any
 from oomguard.daemon import processes
 from oomguard.daemon.as_user import spawn_options
 from oomguard.daemon.launch import Exit, Handle, LaunchRequest, QueueState
+from oomguard.daemon.log_cap import check_limit
 from oomguard.daemon.shim import CANNOT_USE_FOLDER, EXIT_STATUS
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import AttemptFiles
@@ -29,10 +30,13 @@ SHIM_MODULE = "oomguard.daemon.shim"
 
 
 class LocalLauncher:
-    def __init__(self) -> None:
+    def __init__(self, *, log_limit_bytes: int | None = None) -> None:
+        """``log_limit_bytes``: the cap on each attempt's log, head and tail together
+        (daemon/log_cap.py; ValueError below its least); None: the shim's default."""
         # The shims this daemon started, by pid: their exit status is ours to collect (a zombie
         # keeps its pid until then, so the pid cannot name another process meanwhile).
         self._children: dict[int, subprocess.Popen[bytes]] = {}
+        self.log_limit_bytes = check_limit(log_limit_bytes) if log_limit_bytes is not None else None
 
     def start(self, request: LaunchRequest) -> Handle:
         # Every folder of the job is entered by the shim, as the job's owner, never by the
@@ -44,6 +48,8 @@ class LocalLauncher:
         options = ["--workdir", str(request.workdir)]
         if request.cwd:
             options += ["--cwd", request.cwd]
+        if self.log_limit_bytes is not None:
+            options += ["--log-limit", str(self.log_limit_bytes)]
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", SHIM_MODULE, str(request.attempt_dir), *options, "--", *request.argv],

@@ -8,7 +8,8 @@ is requeued by Slurm itself after a node failure or a preemption (--requeue: the
 resumes from its checkpoint), and gets SIGUSR1 ``signal_seconds`` before its time limit
 (--signal=B:USR1@N: the shim passes it on, and the runner checkpoints and ends "time_limit").
 Its output file (slurmstepd's own lines: a time limit, a cgroup OOM kill) is
-``ATTEMPT_DIR/slurm-JOBID.out``; the command's own output goes to output.log as locally.
+``ATTEMPT_DIR/slurm-JOBID.out``; the command's own output goes to output.log as locally (with
+its cap, and its end in the tail files: daemon/log_cap.py).
 
 Slurm's CLI is the interface (squeue, scontrol, scancel, and sacct where the cluster keeps
 accounting; no REST): squeue is asked once per ``poll_seconds`` for every attempt this daemon
@@ -33,6 +34,7 @@ from oomguard.daemon.config import SlurmConfig
 from oomguard.daemon.launch import Exit, Handle, LaunchRequest, QueueState
 from oomguard.daemon.launch.local import exit_from_files, run_as
 from oomguard.daemon.launch.slurm_text import batch_script, parse_fields, queue_state, sbatch_options, scheduler_end, submit_environment
+from oomguard.daemon.log_cap import check_limit
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import AttemptFiles
 from oomguard.strategies.errors import LaunchFailed
@@ -58,8 +60,13 @@ class NoSlurm(RuntimeError):
 
 
 class SlurmLauncher:
-    def __init__(self, config: SlurmConfig, *, python: str = sys.executable, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, config: SlurmConfig, *, python: str = sys.executable, clock: Callable[[], float] = time.monotonic, log_limit_bytes: int | None = None,
+    ) -> None:
+        """``log_limit_bytes``: the cap on each attempt's log, head and tail together
+        (daemon/log_cap.py; ValueError below its least); None: the shim's default."""
         self.config = config
+        self.log_limit_bytes = check_limit(log_limit_bytes) if log_limit_bytes is not None else None
         self.python = python
         self.clock = clock
         found = {name: shutil.which(name) for name in (*TOOLS, "sacct")}
@@ -88,7 +95,7 @@ class SlurmLauncher:
     # Starting ------------------------------------------------------------------------------
 
     def start(self, request: LaunchRequest) -> Handle:
-        script = batch_script(request, self.python)
+        script = batch_script(request, self.python, log_limit_bytes=self.log_limit_bytes)
         options = sbatch_options(request, self.config)
         # As the owner: the folder for Slurm's output file (it must exist before the job
         # runs), then sbatch, so that the job is the owner's. In /, like every process the

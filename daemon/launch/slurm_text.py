@@ -43,12 +43,15 @@ def queue_state(state: str, reason: str | None, restarts: int) -> QueueState:
     return QueueState(state, reason, restarts, never_starts=f"{reason}: {never}" if never else None)
 
 
-def batch_script(request: LaunchRequest, python: str) -> str:
+def batch_script(request: LaunchRequest, python: str, *, log_limit_bytes: int | None = None) -> str:
     """The attempt's batch script: the shim exec'd (so that it is the batch shell, which
-    --signal=B: signals), its configuration in a here-document."""
+    --signal=B: signals), its configuration in a here-document. ``log_limit_bytes``: the cap on
+    the attempt's log (the shim's --log-limit; None: its default)."""
     options = ["--workdir", str(request.workdir)]
     if request.cwd:
         options += ["--cwd", request.cwd]
+    if log_limit_bytes is not None:
+        options += ["--log-limit", str(log_limit_bytes)]
     # Slurm's SIGUSR1 reaches the batch shell only: the runner, and an accelerate script
     # through the bootstrap, checkpoint on it (a command that does not handle it ignores it).
     options.append("--pass-usr1")

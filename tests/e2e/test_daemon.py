@@ -112,8 +112,8 @@ def test_a_job_queued_behind_a_running_one_says_so_in_status(tmp_path: Path, dae
             "[train]\nbatch_size = 1\nmax_steps = 1\n"
         )
     daemon = daemon_factory()  # no GPUs: one job at a time
-    for name in ("first", "second"):
-        oomguard("submit", str(tmp_path / f"{name}.toml"), state_dir=daemon.state_dir, check=True)
+    submitted = oomguard("submit", str(tmp_path / "first.toml"), str(tmp_path / "second.toml"), state_dir=daemon.state_dir, check=True)
+    assert submitted.stdout.splitlines() == ["job 1 (first) queued", "job 2 (second) queued"]  # one command, both answers
     wait_for(marker.exists, 60, "the first job to start")
     second = wait_for(lambda: (record := daemon.show("2"))["waiting"] and record, 30, "the second job's note")
     assert second["state"] == "queued" and second["waiting"].startswith("queued behind running job(s) 1 (without GPUs the daemon runs one at a time")

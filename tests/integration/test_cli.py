@@ -93,22 +93,51 @@ def test_report_of_a_job_that_has_not_started(tmp_path: Path) -> None:
     assert result.returncode == 1 and "has no attempts yet" in result.stderr and not (tmp_path / "r.png").exists()
 
 
-def test_status_lists_the_running_the_head_of_the_queue_and_the_last_ended() -> None:
-    from oomguard.daemon.cli.status import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN, status_rows
-    from tests.fakes import job_row
+def test_a_batch_with_a_bad_job_file_is_refused_whole_naming_each_problem(tmp_path: Path) -> None:
+    good, bad, missing = tiny_job(tmp_path, "good"), tmp_path / "bad.toml", tmp_path / "missing.toml"
+    bad.write_text('name = "bad"\ntrainer = "unconditional"\n[train]\nbatch_size = "eight"\n')
+    result = oomguard("submit", str(good), str(bad), str(missing), state_dir=tmp_path / "state")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "bad.toml" in result.stderr and "missing.toml" in result.stderr and "none of the 3 files was submitted" in result.stderr
+    inbox = tmp_path / "state" / "spool" / "inbox"
+    assert not inbox.exists() or list(inbox.iterdir()) == []  # nothing half-submitted
 
-    stored = [{"id": i, "state": "queued", "priority": 0, "ended_at": None} for i in range(1, 101)]
-    stored[49]["priority"] = 5  # job 50 runs before the others
-    stored[3]["state"] = "running"
-    for i, job in enumerate(stored[60:90]):
-        job.update(state="finished" if i % 2 else "failed", ended_at=1000.0 - i)  # job 61 ended last
-    jobs = [job_row(**job) for job in stored]
-    queue = sorted((j for j in jobs if j.state == "queued"), key=lambda j: (-j.priority, j.id))  # as the store orders it
-    shown = [job.id for job in status_rows(jobs, queue, everything=False)]
-    queued = [1, 2, 3, *range(5, 50), *range(51, 61), *range(91, 101)]
+
+def test_status_lists_the_running_the_head_of_the_queue_and_the_last_ended_and_pages_through_all(tmp_path: Path) -> None:
+    import re
+
+    from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_PAGE_SIZE, STATUS_QUEUED_SHOWN
+    from oomguard.daemon.paths import StateDir
+    from oomguard.daemon.store import Store
+    from oomguard.jobs.spec import load_job_file
+
+    state = StateDir(tmp_path / "state").create()
+    store = Store(state.database)
+    spec = load_job_file(tiny_job(tmp_path))
+    for i in range(1, 121):
+        store.add_job(
+            name=f"j{i}", owner="alice", spec=spec.to_dict(), priority=5 if i == 50 else 0, workdir=None,
+            plan=spec.initial_plan().to_dict(), spool_file=None, jobs_root=tmp_path / "jobs",
+        )
+    store.update_job(4, state="running")
+    for i in range(61, 91):
+        store.update_job(i, state="finished" if i % 2 else "failed", ended_at=1000.0 - i)  # job 61 ended last
+    store.close()
+
+    def listed(*options: str) -> list[int]:
+        result = oomguard("status", *options, state_dir=state.root)
+        assert result.returncode == 0, result.stderr
+        return [int(n) for n in re.findall(r"^│\s*(\d+)\s*│", result.stdout, flags=re.M)]
+
+    queued = [1, 2, 3, *range(5, 50), *range(51, 61), *range(91, 121)]
     expected = {4, 50, *queued[: STATUS_QUEUED_SHOWN - 1], *range(61, 61 + STATUS_ENDED_SHOWN)}
-    assert shown == sorted(expected)
-    assert [job.id for job in status_rows(jobs, queue, everything=True)] == list(range(1, 101))
+    assert listed() == sorted(expected)
+    assert listed("--page", "2") == list(range(STATUS_PAGE_SIZE + 1, 2 * STATUS_PAGE_SIZE + 1))
+    assert listed("--page", "3") == list(range(2 * STATUS_PAGE_SIZE + 1, 121))
+    assert listed("--page", "9") == []
+    assert listed("--all") == list(range(1, 121))
+    refused = oomguard("status", "--page", "0", state_dir=state.root)
+    assert refused.returncode == 2 and "--page counts from 1" in refused.stderr
 
 
 # A reader that goes away (`oomguard logs 1 | head`) ------------------------------------------------

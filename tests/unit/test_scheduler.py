@@ -25,13 +25,14 @@ def test_without_gpus_one_runs_at_a_time_unless_max_parallel_says_otherwise() ->
 
 
 def test_a_pass_sees_the_same_thing_while_free_memory_moves_within_a_256th() -> None:
-    queued = [job_row(id=1, plan="{}")]
     gpu = SimpleNamespace(index=0, free=1000 * 2**20, total=2**30, processes=[])
     moved_a_little = SimpleNamespace(index=0, free=1000 * 2**20 + 2**20 // 2, total=2**30, processes=[])
     moved_a_lot = SimpleNamespace(index=0, free=500 * 2**20, total=2**30, processes=[])
-    assert pass_signature(queued, {}, [gpu]) == pass_signature(queued, {}, [moved_a_little])
-    assert pass_signature(queued, {}, [gpu]) != pass_signature(queued, {}, [moved_a_lot])
-    assert pass_signature(queued, {}, None) != pass_signature(queued, {7: object()}, None)
+    assert pass_signature(5, {}, [gpu], False) == pass_signature(5, {}, [moved_a_little], False)
+    assert pass_signature(5, {}, [gpu], False) != pass_signature(5, {}, [moved_a_lot], False)
+    assert pass_signature(5, {}, None, False) != pass_signature(5, {7: object()}, None, False)
+    assert pass_signature(5, {}, None, False) != pass_signature(6, {}, None, False)  # a job or attempt written
+    assert pass_signature(5, {}, None, False) != pass_signature(5, {}, None, True)
 
 
 def test_a_job_needs_what_its_plan_measured_with_a_margin_else_what_its_file_says() -> None:

@@ -146,3 +146,34 @@ def test_each_jobs_newest_attempt_and_count_in_one_query_per_500_jobs(fresh_stor
     assert sorted(newest) == ids[:1202:2]
     assert all(row.count == 3 and row.attempt.number == 3 and row.attempt.directory == f"/w/{job_id}/3" for job_id, row in newest.items())
     assert fresh_store.newest_attempts([]) == {}
+
+
+def test_status_reads_the_counts_the_active_jobs_the_head_of_the_queue_and_the_last_ended(fresh_store: Store) -> None:
+    ids = [add(fresh_store, f"j{i}", priority=5 if i == 40 else 0) for i in range(50)]
+    for job_id, state, ended_at in ((ids[0], "running", None), (ids[1], "finished", 30.0), (ids[2], "failed", 10.0), (ids[3], "cancelled", 20.0)):
+        fresh_store.update_job(job_id, state=state, ended_at=ended_at)
+    assert fresh_store.job_counts() == {"queued": 46, "running": 1, "finished": 1, "failed": 1, "cancelled": 1}
+    # The running job, the first three of the queue in the order they run (job 40 first: its
+    # priority), the two that ended last; in id order.
+    assert [j.id for j in fresh_store.jobs_at_a_glance(queued=3, ended=2)] == [ids[0], ids[1], ids[3], ids[4], ids[5], ids[40]]
+    assert [j.id for j in fresh_store.jobs_page(offset=10, limit=3)] == ids[10:13]
+
+
+def test_every_write_to_a_job_or_an_attempt_moves_the_write_count(fresh_store: Store) -> None:
+    """The scheduler reads the queue again only when this count moved (Scheduler.run_pass)."""
+    counts = [fresh_store.job_writes]
+    job_id = add(fresh_store, "a")
+    counts.append(fresh_store.job_writes)
+    fresh_store.update_job(job_id, priority=3)
+    counts.append(fresh_store.job_writes)
+    fresh_store.note_waiting("waiting for a GPU", replaces="waiting")
+    counts.append(fresh_store.job_writes)
+    fresh_store.request_cancel(job_id)
+    counts.append(fresh_store.job_writes)
+    attempt_id = fresh_store.add_attempt(job_id=job_id, number=1, plan="{}", directory="/x", started_at=1.0, pid=42)
+    counts.append(fresh_store.job_writes)
+    fresh_store.update_attempt(attempt_id, ended_at=2.0)
+    counts.append(fresh_store.job_writes)
+    assert counts == sorted(set(counts))  # each one moved it
+    fresh_store.add_event(job_id, "note", "an event is not a job")
+    assert fresh_store.job_writes == counts[-1]

@@ -308,3 +308,25 @@ def test_a_daemon_that_leaves_leaves_its_attempts_running(box: Box) -> None:
     supervisor.drain()
     supervisor.leave_all()
     assert supervisor.stopped() and box.launcher.stops == [] and box.store.job(job_id).state == "running"
+
+
+def test_an_idle_daemon_does_not_read_the_queue_until_something_changes(box: Box, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue of 10,000 jobs read at every tick took a fifth of a core while nothing happened."""
+    supervisor = box.supervisor(max_parallel=1)
+    for n in range(5):
+        add(supervisor, f"j{n}")
+    supervisor.drain()
+    reads = []
+    queued_jobs = box.store.queued_jobs
+    monkeypatch.setattr(box.store, "queued_jobs", lambda: reads.append(1) or queued_jobs())
+    for _ in range(20):
+        box.clock.advance(0.5)
+        supervisor.tick()
+    assert reads == []
+    add(supervisor, "late")  # a new job is a change: the next tick reads the queue once
+    for _ in range(3):
+        supervisor.tick()
+    assert len(reads) == 1
+    box.clock.advance(61)  # and a full pass runs at least once a minute, for what time changes
+    supervisor.tick()
+    assert len(reads) == 2
