@@ -17,6 +17,7 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -41,6 +42,16 @@ def _listed(items: Iterator[str], most: int = 10) -> str:
     items = list(items)
     more = f" and {len(items) - most} more (`oomguard status --all` lists them)" if len(items) > most else ""
     return ", ".join(items[:most]) + more
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """What Store.forget_jobs_ended_before deleted."""
+
+    job_ids: tuple[int, ...]
+    attempts: int
+    events: int
+    requests: int
 
 
 class Store:
@@ -307,6 +318,43 @@ class Store:
             rows = self._query(f"select * from requests where file in ({', '.join('?' * len(chunk))})", chunk)
             found.update((row["file"], RequestRow.from_stored(row)) for row in rows)
         return found
+
+    # Forgetting (daemon/store_gc.py) ----------------------------------------------------------
+
+    def forget_jobs_ended_before(self, cutoff: float) -> Forgotten:
+        """Delete the jobs that ended before ``cutoff`` with their attempts, events and the
+        answers to requests about them, and every answered request older than it; in one
+        transaction."""
+        ended = ", ".join(f"'{state}'" for state in TERMINAL_STATES)
+        ids = [row[0] for row in self.conn.execute(f"select id from jobs where state in ({ended}) and ended_at < ?", [cutoff])]
+        counts = {"attempts": 0, "events": 0, "requests": 0}
+        with self.db.atomic():
+            for start in range(0, len(ids), 500):
+                chunk = ids[start:start + 500]
+                marks = ", ".join("?" * len(chunk))
+                for table in ("attempts", "events", "requests"):
+                    counts[table] += self.conn.execute(f"delete from {table} where job_id in ({marks})", chunk).rowcount
+                self.conn.execute(f"delete from jobs where id in ({marks})", chunk)
+            counts["requests"] += self.conn.execute("delete from requests where at < ?", [cutoff]).rowcount
+        if ids:
+            self.job_writes += 1
+        return Forgotten(tuple(ids), counts["attempts"], counts["events"], counts["requests"])
+
+    def jobs_with_more_events_than(self, most: int) -> list[int]:
+        return [row[0] for row in self.conn.execute("select job_id from events group by job_id having count(*) > ? order by job_id", [most])]
+
+    def drop_middle_events(self, job_id: int, *, keep_first: int, keep_last: int) -> list[str]:
+        """Delete a job's events but its first ``keep_first`` and last ``keep_last``; the kinds
+        of those deleted."""
+        with self.db.atomic():
+            rows = self.conn.execute(
+                "select id, kind from events where job_id = ? order by id limit -1 offset ?", [job_id, keep_first],
+            ).fetchall()
+            dropped = rows[: max(0, len(rows) - keep_last)]
+            for start in range(0, len(dropped), 500):
+                chunk = [event_id for event_id, _ in dropped[start:start + 500]]
+                self.conn.execute(f"delete from events where id in ({', '.join('?' * len(chunk))})", chunk)
+        return [kind for _, kind in dropped]
 
     # GPU samples ----------------------------------------------------------------------------
 

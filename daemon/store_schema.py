@@ -128,6 +128,15 @@ def _add_cluster(db: sqlite_utils.Database) -> None:
     db["jobs"].add_column("checkpoint_every_seconds", float)
 
 
+@MIGRATIONS(name="add_ended_indexes")
+def _add_ended_indexes(db: sqlite_utils.Database) -> None:
+    # `oomguard status` lists the jobs that ended last, and the store's collection
+    # (daemon/store_gc.py) forgets those that ended long ago and the answers given long ago:
+    # each an index scan rather than a walk through every row of a long history.
+    db["jobs"].create_index(["ended_at"])
+    db["requests"].create_index(["at"])
+
+
 # The migrations of the oomguard that counted them in user_version alone (0.x): a database it
 # made at user_version n has the first n of MIGRATIONS applied, under no recorded name.
 UNNAMED_MIGRATIONS = ("create_tables", "add_recoveries_reported", "add_lab_box")

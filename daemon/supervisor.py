@@ -31,6 +31,7 @@ from oomguard.daemon.paths import StateDir
 from oomguard.daemon.scheduler import SLOTS_TAKEN, JobCache, Scheduler
 from oomguard.daemon.spool import DEFAULT_MAX_USER_PRIORITY, Request, Spool
 from oomguard.daemon.store import Store
+from oomguard.daemon.store_gc import GC_EVERY_SECONDS, Collected, collect
 from oomguard.daemon.store_rows import JobRow
 from oomguard.daemon.users import Account
 from oomguard.jobs.device import DeviceSpec
@@ -62,7 +63,11 @@ class Supervisor:
         max_user_priority: int | None = DEFAULT_MAX_USER_PRIORITY,
         launcher: Launcher | None = None,
         clock: Clock | None = None,
+        forget_after_seconds: float | None = None,
     ) -> None:
+        """``forget_after_seconds``: ended jobs are forgotten this long after they ended, and
+        every job's events are kept bounded (daemon/store_gc.py), at start and every
+        GC_EVERY_SECONDS; None: never (`oomguard run`, tests)."""
         self.state = state
         self.store = store
         # How attempts' processes start and stop; the only way the supervisor touches a process.
@@ -89,6 +94,8 @@ class Supervisor:
         )
         hide_stored_secrets(store, self.secrets)
         self.attempts.adopt()
+        self.forget_after_seconds = forget_after_seconds
+        self._collected_at: float | None = None
 
     def event(
         self, job: JobRow, kind: str, message: str, *, code: str, data: Mapping[str, Any] | None = None,
@@ -122,6 +129,24 @@ class Supervisor:
         self.attempts.reap()
         if not self.stopping:
             self.scheduler.run_pass()
+        self._collect_if_due()
+
+    def _collect_if_due(self) -> None:
+        """The store's collection (daemon/store_gc.py), when it is due; a failure is logged and
+        tried again at the next time, never out of the loop."""
+        if self.forget_after_seconds is None:
+            return
+        now = self.clock.monotonic()
+        if self._collected_at is not None and now - self._collected_at < GC_EVERY_SECONDS:
+            return
+        self._collected_at = now
+        try:
+            collected = collect(self.store, self.state, older_than_seconds=self.forget_after_seconds, now=self.clock.time())
+        except Exception as error:  # noqa: BLE001 - the store's housekeeping must not stop the daemon
+            log_error("collecting the store", error)
+            return
+        if collected != Collected():
+            print(f"oomguard: {collected.summary()}", flush=True)
 
     def drain(self, *, max_ticks: int = 100, until: Callable[[], bool] | None = None) -> int:
         """Run tick() synchronously until ``until()`` holds, or (without it) until a tick changes

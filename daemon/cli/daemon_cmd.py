@@ -77,7 +77,7 @@ def _daemon(args: argparse.Namespace) -> int:
     supervisor = Supervisor(
         state, store, max_parallel=max_parallel, device=device_from_option(args.emulate_device_memory), on_event=print_event,
         spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
-        max_user_priority=max_user_priority, launcher=launcher,
+        max_user_priority=max_user_priority, launcher=launcher, forget_after_seconds=_forget_after(args.forget_after),
     )
     stop_on_signals(supervisor, stop_jobs=args.stop_jobs, wake=wake)
     signal.signal(signal.SIGCHLD, lambda signum, frame: wake.set())
@@ -130,6 +130,23 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
     if config.backend == "slurm" and args.emulate_gpus:
         raise CliError("--emulate-gpus: on a Slurm cluster Slurm places attempts on GPUs; emulate their memory with --emulate-device-memory")
     return config
+
+
+def _forget_after(text: str | None) -> float | None:
+    """--forget-after in seconds (None: `never`)."""
+    from oomguard.daemon.store_gc import DAY_SECONDS, DEFAULT_FORGET_AFTER_DAYS
+
+    if text is None:
+        return DEFAULT_FORGET_AFTER_DAYS * DAY_SECONDS
+    if text == "never":
+        return None
+    try:
+        days = float(text)
+    except ValueError:
+        days = -1.0
+    if not 0 < days < float("inf"):
+        raise CliError(f"--forget-after takes a number of days above 0, or `never`, not {text!r}")
+    return days * DAY_SECONDS
 
 
 def _log_limit(text: str | None) -> int | None:

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_commands(commands)
     _add_diagnose(commands)
     _add_run(commands)
+    _add_gc(commands)
     return parser
 
 
@@ -78,6 +79,10 @@ def _add_daemon(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     daemon.add_argument(
         "--log-limit", metavar="SIZE", default=None,
         help="keep each attempt's output log within SIZE: its first quarter in output.log, its newest output in output.tail.log(.1) (default 64MiB)",
+    )
+    daemon.add_argument(
+        "--forget-after", metavar="DAYS", default=None,
+        help="forget jobs this many days after they ended, and keep each job's events bounded (default 30; `never` keeps every job)",
     )
     daemon.add_argument("--gpu-sample-seconds", type=float, default=5.0, help=argparse.SUPPRESS)
     _add_emulate_device_memory(daemon)
@@ -141,6 +146,14 @@ def _add_job_commands(commands: argparse._SubParsersAction[argparse.ArgumentPars
     cancel.add_argument("job", help="job id or name")
     cancel.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the daemon's answer (default 10)")
     cancel.set_defaults(handler=_handler("jobs", "cmd_cancel"))
+
+
+def _add_gc(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    gc = commands.add_parser(
+        "gc", help="forget ended jobs older than --older-than days now and compact long event lists (the daemon does it hourly)",
+    )
+    gc.add_argument("--older-than", metavar="DAYS", type=float, default=None, help="days since a job ended (default 30)")
+    gc.set_defaults(handler=_handler("gc", "cmd_gc"))
 
 
 def _add_diagnose(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

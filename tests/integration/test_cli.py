@@ -183,7 +183,7 @@ EVERY_COMMAND = [
     ["status"], ["status", "--all"], ["gpus"], ["show", "1"], ["show", "1", "--json"], ["logs", "1"], ["logs", "1", "--follow"],
     ["report", "1", "-o", "{workdir}.png"], ["neighbour", "--take", "1MiB", "--seconds", "0.1"], ["cancel", "1", "--wait", "1"],
     ["diagnose", "{log}"], ["diagnose", "{log}", "--json"], ["submit", "{job}", "--wait", "0"], ["daemon"],
-    ["run", "{job}", "--workdir", "{workdir}"], ["--help"],
+    ["run", "{job}", "--workdir", "{workdir}"], ["status", "--page", "1"], ["gc", "--older-than", "0"], ["--help"],
 ]
 
 
@@ -219,3 +219,46 @@ def test_every_command_exits_quietly_when_its_reader_has_gone(tmp_path: Path, co
     # argparse itself swallows the error of --help's write when stdout is unbuffered
     # (PYTHONUNBUFFERED): its text is lost either way, and nothing is printed about it.
     assert done.stderr.decode() == "" and done.returncode == (141 if command != ["--help"] or not os.environ.get("PYTHONUNBUFFERED") else 0)
+
+
+def test_gc_forgets_the_ended_jobs_older_than_asked_and_says_what_it_removed(tmp_path: Path) -> None:
+    import time
+
+    from oomguard.daemon.paths import StateDir
+    from oomguard.daemon.store import Store
+
+    state = StateDir(tmp_path / "state").create()
+    store = Store(state.database)
+    ids = [
+        store.add_job(name=f"j{i}", owner="alice", spec={"name": f"j{i}"}, priority=0, workdir=None, plan={}, spool_file=None, jobs_root=tmp_path)
+        for i in range(3)
+    ]
+    store.update_job(ids[0], state="finished", ended_at=time.time() - 3 * 86400)
+    store.update_job(ids[1], state="failed", ended_at=time.time() - 3600)
+    store.add_event(ids[0], "finished", "done")
+    store.close()
+    result = oomguard("gc", "--older-than", "2", state_dir=state.root)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("forgot 1 ended job(s) (0 attempt(s), 1 event(s)")
+    store = Store(state.database, readonly=True)
+    assert [job.id for job in store.jobs()] == ids[1:]
+    store.close()
+    assert oomguard("gc", state_dir=state.root).stdout.strip() == "nothing to collect"
+    bad = oomguard("gc", "--older-than", "-1", state_dir=state.root)
+    assert bad.returncode == 2 and "--older-than takes a number of days, 0 or more" in bad.stderr
+    missing = oomguard("gc", state_dir=tmp_path / "elsewhere")
+    assert missing.returncode == 2 and "no oomguard database" in missing.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--forget-after", "-3", "--forget-after takes a number of days above 0, or `never`, not '-3'"),
+        ("--forget-after", "soon", "--forget-after takes a number of days above 0, or `never`, not 'soon'"),
+        ("--log-limit", "1KiB", "--log-limit: a log limit of 1024 bytes is too small: give at least 65536 bytes"),
+        ("--log-limit", "lots", "--log-limit: not a memory size: 'lots'"),
+    ],
+)
+def test_the_daemon_refuses_a_bad_housekeeping_option_before_it_starts(tmp_path: Path, option: str, value: str, message: str) -> None:
+    result = oomguard("daemon", option, value, state_dir=tmp_path / "state", timeout=60)
+    assert result.returncode == 2 and message in result.stderr, result.stderr

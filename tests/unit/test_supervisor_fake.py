@@ -330,3 +330,20 @@ def test_an_idle_daemon_does_not_read_the_queue_until_something_changes(box: Box
     box.clock.advance(61)  # and a full pass runs at least once a minute, for what time changes
     supervisor.tick()
     assert len(reads) == 2
+
+
+def test_the_daemon_forgets_ended_jobs_after_forget_after_checking_hourly(box: Box) -> None:
+    day = 86400.0
+    supervisor = box.supervisor(forget_after_seconds=30 * day)
+    done, waiting = add(supervisor, "done"), add(supervisor, "waiting")
+    supervisor.drain()
+    (request,) = box.launcher.started
+    box.launcher.finish(request, Outcome(kind="finished", step=8))
+    supervisor.drain()
+    assert box.store.job(done).state == "finished"
+    box.clock.advance(29 * day)
+    supervisor.drain()
+    assert [job.id for job in box.store.jobs()] == [done, waiting]  # not old enough yet
+    box.clock.advance(2 * day)
+    supervisor.tick()
+    assert [job.id for job in box.store.jobs()] == [waiting]
