@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test test-fast slurm-tools bench faults install clean
+.PHONY: demo test test-fast slurm-tools bench faults soak install clean
 
 install: $(STAMP)
 
@@ -89,6 +89,13 @@ bench: install
 faults: install
 	$(BIN)/python -m pytest -q -m bench tests/e2e/test_faults.py
 	$(BIN)/python bench/faults.py --update-readme
+
+# The soak (bench/soak.py): an accelerated week for 30 minutes on emulated GPUs: jobs in
+# batches, neighbours arriving and leaving, the daemon SIGKILLed every 4 minutes, and (as root)
+# a small disk that fills and frees. Results in bench/results/soak.md and soak.json.
+SOAK_MINUTES ?= 30
+soak: install
+	$(BIN)/python bench/soak.py --minutes $(SOAK_MINUTES)
 
 clean:
 	rm -rf $(VENV) demo-workdir .pytest_cache

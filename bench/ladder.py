@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import command_pairs
+import contention_pairs
 import frozen_savings
 import t2i_jobs
 
@@ -599,6 +600,9 @@ def main() -> int:
     parser.add_argument("--keep-workdirs", action="store_true", help="keep the oomguard runs' workdirs (printed)")
     parser.add_argument("--update-readme", action="store_true", help="also rewrite the summary in README.md's Benchmarks section")
     parser.add_argument("--no-command-pairs", action="store_true", help="skip the command-job pairs (bench/command_pairs.py)")
+    parser.add_argument(
+        "--no-contention-pairs", action="store_true", help="skip the pairs whose neighbour leaves mid-run (bench/contention_pairs.py)",
+    )
     args = parser.parse_args()
     whole = not args.jobs and not args.only
     if args.update_readme and not whole:
@@ -709,6 +713,7 @@ def main() -> int:
         # Scripts run unchanged as command jobs: one process at a time, after the pool's work.
         # They are part of the whole job set, not of a selection.
         commands = None if args.no_command_pairs or not whole else command_pairs.measure(scratch / "command-pairs")
+        contention = None if args.no_contention_pairs or not whole else contention_pairs.measure(scratch / "contention-pairs")
     finally:
         pool.close()
         if args.keep_workdirs:
@@ -718,6 +723,7 @@ def main() -> int:
 
     summary = summarise(jobs, pairs, machine, args, planner)
     summary["command_pairs"] = commands
+    summary["contention_pairs"] = contention
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{results_name}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     plotted = plot(summary, args.out / f"{results_name}.png")
@@ -1041,6 +1047,8 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
         out.append("")
     if summary.get("command_pairs"):
         out += [*command_pairs.markdown_section(summary["command_pairs"]), ""]
+    if summary.get("contention_pairs"):
+        out += [*contention_pairs.markdown_section(summary["contention_pairs"]), ""]
     out += frozen_savings.markdown_section(summary["frozen_savings"], summary["frozen_parts"])
     out += ["## Sweeps", ""]
     for name, s in summary["sweeps"].items():
@@ -1124,6 +1132,13 @@ def update_readme(summary: dict[str, Any]) -> None:
             f"Command jobs (scripts like diffusers' examples, run unchanged; a cap that drops mid-run or holds from the start): "
             f"median {c['ooms']} OOM to land over {c['pairs']} pairs, end state passed in {c['end_state_passed']} of {c['pairs']}, "
             f"median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s.",
+        ]
+    if summary.get("contention_pairs"):
+        c = contention_pairs.medians(summary["contention_pairs"])
+        lines += [
+            "",
+            f"A neighbour that leaves mid-run (bench/contention_pairs.py): stepped back up in {c['stepped_up']} of {c['pairs']} pairs; "
+            f"after it left, median {_fmt(c['after_vs_reference'], '.3f')} of the samples/s of the same job that never had a neighbour.",
         ]
     if not replace_block("bench/ladder.py", lines):
         log("README.md has no summary markers in its Benchmarks section: not updated")

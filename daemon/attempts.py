@@ -392,9 +392,13 @@ class Attempts:
                 what += f"{change['oom']} -> {describe_change(old, new)}; {change['reason']}; resumed at step {change['step']} in the same process"
             else:
                 what += change["reason"]
+            # A step back up (jobs/step_ups.py) is an event of its own kind; its failure, like
+            # any step down, an escalation.
+            up = change.get("direction") == "up"
             self.events.event(
-                job, "escalated", what, code="in_runner", data={"step": change["step"], "from": old.short(), "to": new.short()},
-                next_step=f"the attempt goes on under [{new.short()}] in the same process",
+                job, "stepped-up" if up else "escalated", what, code="step_up" if up else "step_up_failed" if change.get("direction") == "back" else "in_runner",
+                data={"step": change["step"], "from": old.short(), "to": new.short()},
+                next_step=None if up else f"the attempt goes on under [{new.short()}] in the same process",
             )
         self.store.update_attempt(attempt.id, recoveries_reported=len(changes))
 

@@ -14,6 +14,7 @@ from oomguard.daemon.launch import Exit
 from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.jobs.attempt import OUTCOME, AttemptFiles, attempt_files, read_log_end
 from oomguard.jobs.command import last_step_count
+from oomguard.jobs.disk_space import DISK_FULL_TEXT, free_bytes, named_path
 from oomguard.jobs.script_report import ScriptReport, read_script_report
 from oomguard.strategies.oom_text import read_oom
 from oomguard.strategies.outcome import Outcome
@@ -49,7 +50,51 @@ def conclude(
             outcome = Outcome(kind="crashed", message=f"the attempt ended, but {files.problem}")
         else:
             outcome = outcome_without_report(files, ended.returncode, ended.failed_process, ended.oom_kills, plan)
-    return outcome
+    return disk_full_of(outcome, job)
+
+
+def disk_full_of(outcome: Outcome, job: JobRow) -> Outcome:
+    """A crash that a full disk caused ("No space left on device", "Disk quota exceeded" in the
+    error it died of, or anywhere in its last chain of tracebacks: a script that caught the
+    OSError and raised its own) as "disk_full": the job waits for room instead of using up its
+    retries. The path is the one the error names (relative to where the command runs), else
+    the workdir; how much it needs is unknown (None), and said so."""
+    if outcome.kind != "crashed":
+        return outcome
+    error = outcome.error_line or ""
+    chain = last_traceback_chain(outcome.traceback_tail or outcome.message)
+    if not (DISK_FULL_TEXT.search(error) or DISK_FULL_TEXT.search(chain)):
+        return outcome
+    named = named_path(error) or named_path(chain)
+    try:
+        command = job.spec.command
+    except Exception:  # noqa: BLE001 - a job stored by an older oomguard whose spec no longer loads
+        command = None
+    runs_in = Path(command.cwd) if command is not None and command.cwd else Path(job.workdir)
+    path = str(runs_in / named) if named else job.workdir  # an absolute name stays as it is
+    return dataclasses.replace(
+        outcome, kind="disk_full", disk_path=path, disk_needed=None, disk_free=free_bytes(path),
+        message=f"the disk was full: {error or 'No space left on device'} (at {path}; how much room it needs is unknown)",
+    )
+
+
+_CHAINED = ("During handling of the above exception, another exception occurred:", "The above exception was the direct cause of the following exception:")
+
+
+def last_traceback_chain(text: str) -> str:
+    """The last traceback of ``text`` with the ones it was chained from (the exceptions raised
+    while handling another, or from it): what the process died of, and why."""
+    lines = text.splitlines()
+    starts = [at for at, line in enumerate(lines) if line.lstrip().startswith("Traceback (most recent call last):")]
+    if not starts:
+        return ""
+    first = starts[-1]
+    for start in reversed(starts[:-1]):
+        between = [line.strip() for line in lines[start:first]]
+        if not any(marker in between for marker in _CHAINED):
+            break
+        first = start
+    return "\n".join(lines[first:])
 
 
 def _reported(job: JobRow, files: AttemptFiles, ended: Exit) -> Outcome | None:
@@ -78,7 +123,7 @@ def ended_summary(attempt: AttemptRow, outcome: Outcome) -> str:
     summary = f"attempt {attempt.number} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
     if outcome.kind == "oom" and outcome.phase:
         summary += f" in {outcome.phase}"
-    elif outcome.kind in ("crashed", "host_oom", "diverged", "time_limit", "cancelled") and outcome.summary:
+    elif outcome.kind in ("crashed", "host_oom", "diverged", "time_limit", "cancelled", "disk_full") and outcome.summary:
         summary += f": {outcome.summary}"
     return summary
 

@@ -2,10 +2,12 @@
 
 Stored values are the ones `oomguard status`, the CLI's filters and older databases know:
 queued, running, finished, failed, cancelled. Waiting (for a slot, a GPU, a neighbour's memory,
-a retry's pause) is a queued job with a note (the `waiting`, `waiting_since` and
-`wait_free_bytes` columns), not a state of its own, so that every reader of the store sees
-the same five values as before. Every change of state is an event (daemon/events.py), and an
-attempt's end is written here with the change it brings to its job, in one transaction.
+a retry's pause, disk space) is a queued job with a note (the `waiting`, `waiting_since` and
+`wait_free_bytes` columns; for disk space `disk_path`, `disk_wait_bytes` and `disk_needed`,
+which the scheduler reads to let it go: daemon/disk_wait.py), not a state of its own, so that
+every reader of the store sees the same five values as before. Every change of state is an
+event (daemon/events.py), and an attempt's end is written here with the change it brings to its
+job, in one transaction.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.daemon.clock import Clock
+from oomguard.daemon.disk_wait import DiskWait, disk_wait, disk_wait_of
 from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.store import Store
 from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.jobs.script_report import read_script_report
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies.doctor import decide
-from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait
+from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait, WaitForDisk
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.units import format_bytes
@@ -95,7 +98,7 @@ class Lifecycle:
             attempt_id = self.store.add_attempt(job_id=job.id, **attempt)
             self._move(
                 job.id, State.RUNNING, started_at=job.started_at or now, next_rung=None, next_reason=None, waiting=None,
-                wait_free_bytes=None, waiting_since=None,
+                wait_free_bytes=None, waiting_since=None, **NO_DISK_WAIT,
             )
         return attempt_id
 
@@ -116,6 +119,39 @@ class Lifecycle:
         """Queued again, the same plan, until a GPU has ``free_bytes`` free (a neighbour's spike)."""
         self._move(job.id, State.QUEUED, next_rung=None, next_reason=reason, waiting=waiting, wait_free_bytes=free_bytes)
         self.events.event(job, "contention", reason, code="contention", data={"free_bytes": free_bytes})
+
+    def wait_for_disk(self, job: JobRow, decision: WaitForDisk, wait: DiskWait) -> None:
+        """Queued again, the same plan, until ``wait.path`` has room: the scheduler does not
+        start it before. Its people are told once, with what to do."""
+        self._move(
+            job.id, State.QUEUED, next_rung=None, next_reason=decision.reason, waiting=wait.note(), waiting_since=self.clock.time(),
+            disk_path=wait.path, disk_wait_bytes=wait.wait_free, disk_needed=wait.needed, disk_budget=wait.budget,
+        )
+        needed = format_bytes(wait.needed) if wait.needed is not None else f"an unknown amount (oomguard waits for {format_bytes(wait.wait_free)})"
+        if wait.budget is None:
+            what_next = f"make room at {wait.path} ({needed} free needed)"
+        else:
+            what_next = (
+                f"make room in {wait.path} ({needed} free needed within the job's disk budget of {format_bytes(wait.budget)}): remove "
+                "checkpoints it keeps for good (train.keep_every_steps), or cancel it and submit it again with a larger [resources] disk"
+            )
+        self.events.event(
+            job, "waiting_for_disk", f"{wait.note()}: {decision.reason}", code="disk_budget" if wait.budget is not None else "disk_full",
+            data={"path": wait.path, "needed_bytes": wait.needed, "free_bytes": wait.free, "wait_free_bytes": wait.wait_free, "budget_bytes": wait.budget},
+            next_step=f"{what_next}: oomguard starts the job again by itself as soon as there is room, from its last verified checkpoint "
+            "(none was deleted); or `oomguard cancel` it",
+        )
+
+    def disk_space_back(self, job: JobRow, free: int | None) -> None:
+        """A job that waited for disk space has it: an ordinary queued job again (no message:
+        its people were told when it began to wait, and the job's end tells them the rest)."""
+        wait = disk_wait_of(job)
+        self._move(job.id, State.QUEUED, waiting=None, waiting_since=None, **NO_DISK_WAIT)
+        has = format_bytes(free) if free is not None else "room (not measurable by the daemon)"
+        self.events.event(
+            job, "resumed", f"{wait.path if wait else job.disk_path} has {has} free: the job goes on from its last verified checkpoint",
+            code="disk_space_back", data={"path": job.disk_path, "free_bytes": free, "wait_free_bytes": job.disk_wait_bytes},
+        )
 
     def retry(self, job: JobRow, decision: Retry, waiting: str | None) -> None:
         """Queued again, the same plan (a transient crash, a time limit); ``waiting`` says for how
@@ -157,7 +193,7 @@ class Lifecycle:
             raise IllegalTransition(f"{state.value} does not end a job")
         if self.on_ended is not None:
             self.on_ended(job.id)
-        self._move(job.id, state, ended_at=self.clock.time(), result=result, report=report, waiting=None, waiting_since=None)
+        self._move(job.id, state, ended_at=self.clock.time(), result=result, report=report, waiting=None, waiting_since=None, **NO_DISK_WAIT)
         self.events.event(job, state.value, result, code=code, data=data, next_step=next_step, report=report)
 
     def end_attempt(self, attempt_id: int, outcome: Outcome, exit_code: int | None = None) -> None:
@@ -201,7 +237,7 @@ class Lifecycle:
         plan = outcome.plan or job.plan
         history = [_past_attempt(a) for a in self.store.attempts(job.id) if a.outcome is not None]
         decision = decide(outcome, plan, history, spec.policy())
-        if isinstance(decision, (Retry, Wait)) and outcome.plan is not None:
+        if isinstance(decision, (Retry, Wait, WaitForDisk)) and outcome.plan is not None:
             self.keep_plan(job, outcome.plan)
         if isinstance(decision, NextPlan):
             self.escalate(
@@ -211,6 +247,9 @@ class Lifecycle:
         elif isinstance(decision, Wait):
             waiting = f"waiting for {format_bytes(decision.free_bytes)} free after a neighbour's spike"
             self.wait_for_memory(job, decision.free_bytes, waiting, decision.reason)
+        elif isinstance(decision, WaitForDisk):
+            path = decision.path if Path(decision.path).is_absolute() else str(Path(job.workdir) / decision.path)
+            self.wait_for_disk(job, decision, disk_wait(path, decision.needed, decision.free, decision.budget))
         elif isinstance(decision, Retry):
             waiting = None
             if decision.after_seconds > 0:
@@ -253,6 +292,10 @@ class Lifecycle:
                 next_step="nothing: the job has ended; the daemon's log has the details; submit it again, and report the error",
                 code="oomguard_error", data={"while": what, "error": type(error).__name__},
             )
+
+
+# The columns of a job's wait for disk space, cleared (it starts, ends, or has room again).
+NO_DISK_WAIT: Mapping[str, Any] = {"disk_path": None, "disk_wait_bytes": None, "disk_needed": None, "disk_budget": None}
 
 
 def _past_attempt(attempt: AttemptRow) -> PastAttempt:

@@ -53,6 +53,7 @@ _NOTIFY_TYPES = {
     "finished": apprise.NotifyType.SUCCESS,
     "escalated": apprise.NotifyType.WARNING,
     "stalled": apprise.NotifyType.WARNING,
+    "waiting_for_disk": apprise.NotifyType.WARNING,
 }
 
 

@@ -229,7 +229,9 @@ def _runner_rungs(attempt: AttemptSeries, recoveries: list[dict[str, Any]]) -> l
         probe = str(recovery.get("reason", "")).startswith("probe")
         time = attempt.started_at if probe else _time_of_step(attempt, step)
         to = _plan_text(recovery.get("to"))
-        markers.append(RungMarker(time, attempt.number, "runner", f"{'probe' if probe else 'in-process'} -> [{to}]"))
+        # A step back up (jobs/step_ups.py) and its failure read as what they are on the plot.
+        how = "probe" if probe else {"up": "stepped up", "back": "step up failed"}.get(str(recovery.get("direction")), "in-process")
+        markers.append(RungMarker(time, attempt.number, "runner", f"{how} -> [{to}]"))
     return markers
 
 

@@ -18,6 +18,7 @@ from typing import Any, Union
 
 from oomguard.daemon.attempts import Running, handle_of, owner_uid
 from oomguard.daemon.clock import Clock
+from oomguard.daemon.disk_wait import DISK_CHECK_SECONDS, DiskWait, disk_wait_of, free_for
 from oomguard.daemon.events import Events
 from oomguard.daemon.launch import Launcher
 from oomguard.daemon.lifecycle import Lifecycle
@@ -77,7 +78,7 @@ class Scheduler:
     def __init__(
         self, store: Store, clock: Clock, launcher: Launcher, lifecycle: Lifecycle, events: Events, jobs: JobCache, *,
         gpus: GpuMonitor | None, max_parallel: int | None, stall_seconds: float, running: Mapping[int, Running],
-        start: Callable[[JobRow, Placement], bool], device: DeviceSpec,
+        start: Callable[[JobRow, Placement], bool], device: DeviceSpec, disk_free: Callable[[DiskWait], int | None] = free_for,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -101,6 +102,11 @@ class Scheduler:
         self._last_pass: tuple[Any, ...] | None = None
         self._last_pass_at = 0.0
         self._slots_noted: tuple[str, tuple[int, ...]] | None = None
+        # The room there is for a disk wait (os.statvfs, or what a folder leaves of a budget; a
+        # test's fake), and when the jobs waiting for disk space were last looked at (None: not
+        # yet, so at the first pass).
+        self.disk_free = disk_free
+        self._disk_checked_at: float | None = None
 
     def run_pass(self) -> None:
         """One scheduling pass: the decisions of ``schedule`` over what the store and the GPUs
@@ -114,6 +120,7 @@ class Scheduler:
         # queue is not even read. A full pass still runs every FULL_PASS_SECONDS, for what time
         # changes (a job waiting too long), and when a paused retry is due.
         now = self.clock.monotonic()
+        self._check_disks(now)
         seen = pass_signature(self.store.job_writes, self.running, gpus, slots_full)
         due = any(when <= now for when in self.not_before.values())
         # A retry whose pause is over is an ordinary queued job again.
@@ -136,9 +143,11 @@ class Scheduler:
         if slots_full:
             self._note_slots_taken(limit, queued)  # type: ignore[arg-type] - slots are full only under a limit
             return True
+        # A job waiting for disk space is passed over until _check_disks finds room for it.
+        waiting_for_disk = {job.id for job in queued if job.disk_path is not None}
         decisions = schedule(
             queued, running=len(self.running), limit=limit, gpus=gpus, holders=self._holders(gpus) if gpus is not None else {},
-            need_of=self.jobs.need, paused=frozenset(self.not_before),
+            need_of=self.jobs.need, paused=frozenset(self.not_before) | waiting_for_disk,
         )
         # The pass is bounded from here (reading the GPUs' holders is not part of it), and it
         # always applies its first decision.
@@ -152,6 +161,29 @@ class Scheduler:
             took = self._apply(decision, limit, queued)
             if self.clock.monotonic() > deadline:
                 return False
+
+    def _check_disks(self, now: float) -> None:
+        """Every DISK_CHECK_SECONDS: the jobs waiting for disk space (only they are read, through
+        a partial index) that have room now go back to the queue as ordinary jobs. That write
+        moves Store.job_writes, so the pass that follows starts them, without reading the whole
+        queue at every tick while they wait."""
+        if self._disk_checked_at is not None and now - self._disk_checked_at < DISK_CHECK_SECONDS:
+            return
+        self._disk_checked_at = now
+        measured: dict[tuple[str, int | None], int | None] = {}
+        for job in self.store.disk_waiting_jobs():
+            try:
+                wait = disk_wait_of(job)
+                if wait is None:  # a half-written wait (an older oomguard's): nothing to wait for
+                    self.lifecycle.disk_space_back(job, None)
+                    continue
+                where = (wait.path, wait.budget)
+                if where not in measured:
+                    measured[where] = self.disk_free(wait)
+                if wait.has_room(measured[where]):
+                    self.lifecycle.disk_space_back(job, measured[where])
+            except Exception as error:  # noqa: BLE001 - one job's problem must not stop the queue
+                self.lifecycle.failed_on(job.id, "looking at the disk space it waits for", error)
 
     def _apply(self, decision: Decision, limit: int | None, queued: list[JobRow]) -> bool | None:
         """Carry out one decision; for a Start, whether the attempt started. One job's problem

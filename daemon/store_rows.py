@@ -71,6 +71,13 @@ class JobRow:
     # daemon config's): host memory in bytes, and how often the runner checkpoints.
     host_memory: int | None = None
     checkpoint_every_seconds: float | None = None
+    # A queued job waiting for disk space (daemon/disk_wait.py; None: it is not): the path,
+    # the free bytes it waits for, what its attempt said it needs (None: unknown), and its disk
+    # budget when the room is missing there ([resources] disk; None: on the disk).
+    disk_path: str | None = None
+    disk_wait_bytes: int | None = None
+    disk_needed: int | None = None
+    disk_budget: int | None = None
 
     @classmethod
     def from_stored(cls, row: dict[str, Any]) -> JobRow:

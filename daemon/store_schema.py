@@ -137,6 +137,19 @@ def _add_ended_indexes(db: sqlite_utils.Database) -> None:
     db["requests"].create_index(["at"])
 
 
+@MIGRATIONS(name="add_disk_wait")
+def _add_disk_wait(db: sqlite_utils.Database) -> None:
+    # A queued job waiting for disk space (daemon/disk_wait.py): the path, the free bytes it
+    # waits for, what its attempt said it needs (NULL: unknown), and its disk budget when the
+    # room is missing there (NULL: on the disk). The scheduler reads only these jobs every few
+    # seconds: a partial index keeps that one small lookup.
+    db["jobs"].add_column("disk_path", str)
+    db["jobs"].add_column("disk_wait_bytes", int)
+    db["jobs"].add_column("disk_needed", int)
+    db["jobs"].add_column("disk_budget", int)
+    db.execute("CREATE INDEX IF NOT EXISTS idx_jobs_disk_wait ON jobs(id) WHERE disk_path IS NOT NULL")
+
+
 # The migrations of the oomguard that counted them in user_version alone (0.x): a database it
 # made at user_version n has the first n of MIGRATIONS applied, under no recorded name.
 UNNAMED_MIGRATIONS = ("create_tables", "add_recoveries_reported", "add_lab_box")

@@ -36,7 +36,7 @@ from oomguard.daemon.store_rows import JobRow
 from oomguard.daemon.users import Account
 from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.spec import JobSpec
-from oomguard.strategies.decision import Retry
+from oomguard.strategies.decision import Retry, WaitForDisk
 from oomguard.strategies.outcome import Outcome
 
 if TYPE_CHECKING:
@@ -137,7 +137,8 @@ class Supervisor:
         if self.forget_after_seconds is None:
             return
         now = self.clock.monotonic()
-        if self._collected_at is not None and now - self._collected_at < GC_EVERY_SECONDS:
+        # Hourly, or four times per --forget-after when that is shorter (an accelerated soak).
+        if self._collected_at is not None and now - self._collected_at < min(GC_EVERY_SECONDS, self.forget_after_seconds / 4):
             return
         self._collected_at = now
         try:
@@ -163,7 +164,7 @@ class Supervisor:
     def _after(self, job: JobRow, outcome: Outcome) -> None:
         """What the job does after an attempt ended; a retry after a pause waits in the scheduler."""
         decision = self.lifecycle.after_attempt(job, outcome, self.jobs.spec(job), stopping=self.stopping)
-        if isinstance(decision, Retry) and decision.after_seconds > 0:
+        if isinstance(decision, (Retry, WaitForDisk)) and decision.after_seconds > 0:
             self._pause(job.id, decision.after_seconds)
 
     def _pause(self, job_id: int, seconds: float) -> None:

@@ -60,21 +60,30 @@ def _fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
-def save(checkpoints_dir: Path, step: int, plan: dict[str, Any], write_state: Callable[[Path], None], keep: int) -> Checkpoint:
-    """Write a checkpoint for ``step``: ``write_state(directory)`` fills a fresh directory."""
+def save(
+    checkpoints_dir: Path, step: int, plan: dict[str, Any], write_state: Callable[[Path], None], keep: int, keep_every: int | None = None,
+) -> Checkpoint:
+    """Write a checkpoint for ``step``: ``write_state(directory)`` fills a fresh directory; then
+    prune to the ``keep`` newest and those kept for good (``keep_every``: see prune)."""
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     temporary = checkpoints_dir / f".tmp-{directory_name(step)}-{os.getpid()}"
     shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir()
-    write_state(temporary)
-    files = {
-        str(p.relative_to(temporary)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-        for p in sorted(temporary.rglob("*"))
-        if p.is_file()
-    }
-    manifest = {"step": step, "plan": plan, "created_at": time.time(), "files": files}
-    (temporary / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    _fsync_tree(temporary)
+    try:
+        write_state(temporary)
+        files = {
+            str(p.relative_to(temporary)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(temporary.rglob("*"))
+            if p.is_file()
+        }
+        manifest = {"step": step, "plan": plan, "created_at": time.time(), "files": files}
+        (temporary / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _fsync_tree(temporary)
+    except BaseException:
+        # A write that failed half-way (a full disk above all) leaves nothing behind: its
+        # bytes are what the next try needs, and the verified checkpoints stay as they were.
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     final = checkpoints_dir / directory_name(step)
     if final.exists():
         # Same step written again (e.g. a retry that stopped where the last one did).
@@ -84,7 +93,7 @@ def save(checkpoints_dir: Path, step: int, plan: dict[str, Any], write_state: Ca
     checkpoint = verify(final)
     # The new checkpoint is kept even when newer (damaged) ones outnumber ``keep``: a run that
     # fell back past a damaged checkpoint must not delete what it has just saved.
-    prune(checkpoints_dir, keep, protect=final)
+    prune(checkpoints_dir, keep, protect=final, keep_every=keep_every)
     return checkpoint
 
 
@@ -116,6 +125,37 @@ def verify(path: Path) -> Checkpoint:
     return Checkpoint(path=path, step=step, plan=plan)
 
 
+def recorded_bytes(checkpoints_dir: Path, block: int = 4096) -> int | None:
+    """The bytes the newest checkpoint takes on disk as its manifest records them (each file
+    rounded up to ``block``, the manifest included): what the next one will need. None when no
+    checkpoint has a manifest that reads. The manifest is not verified against the files: this
+    is an estimate, read before every checkpoint, and verifying hashes every byte."""
+    for path in candidates(checkpoints_dir):
+        try:
+            manifest_size = (path / MANIFEST).stat().st_size
+            files = json.loads((path / MANIFEST).read_text())["files"]
+            sizes = [int(entry["size"]) for entry in files.values()] + [manifest_size]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        return sum(-(-max(size, 1) // block) * block for size in sizes)
+    return None
+
+
+def folder_bytes(path: Path, block: int = 4096) -> int:
+    """The bytes the files under ``path`` take (each rounded up to ``block``, as recorded_bytes
+    counts a checkpoint): what a disk budget holds them to. Files that vanish while it counts
+    (a prune) count nothing."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                size = os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+            total += -(-max(size, 1) // block) * block
+    return total
+
+
 def _step_of(path: Path) -> int | None:
     digits = path.name[len(PREFIX):]
     return int(digits) if path.name.startswith(PREFIX) and digits.isascii() and digits.isdigit() else None
@@ -145,10 +185,19 @@ def latest_valid(checkpoints_dir: Path, warn: Callable[[str], None] = lambda tex
     return next(valid_newest_first(checkpoints_dir, warn), None)
 
 
-def prune(checkpoints_dir: Path, keep: int, protect: Path | None = None) -> None:
-    """Keep the ``keep`` newest checkpoints (and ``protect``); remove leftovers of interrupted writes."""
+def kept_for_good(path: Path, keep_every: int | None) -> bool:
+    """Whether the checkpoint at ``path`` is one the job keeps whatever comes after it (its step
+    a multiple of train.keep_every_steps)."""
+    step = _step_of(path)
+    return keep_every is not None and step is not None and step > 0 and step % keep_every == 0
+
+
+def prune(checkpoints_dir: Path, keep: int, protect: Path | None = None, keep_every: int | None = None) -> None:
+    """Keep the ``keep`` newest checkpoints, ``protect`` and those kept for good (``keep_every``:
+    a step that is a multiple of it, beyond the ``keep`` newest); remove leftovers of
+    interrupted writes."""
     for path in candidates(checkpoints_dir)[keep:]:
-        if path != protect:
+        if path != protect and not kept_for_good(path, keep_every):
             shutil.rmtree(path)
     for leftover in checkpoints_dir.glob(".tmp-*"):
         pid = leftover.name.rsplit("-", 1)[-1]

@@ -26,9 +26,12 @@ import torch
 
 from oomguard.jobs import checkpoints, train_state
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, Control, write_json_atomic
+from oomguard.jobs.disk_guard import checkpoint_need, disk_full_outcome, final_need, room_for, unplanned_disk_full, writing_into
+from oomguard.jobs.disk_space import DiskFull, is_disk_full
 from oomguard.jobs.emulated_gpus import AssignedGpu
 from oomguard.jobs.memory_cap import DeviceMemory, open_device_memory
 from oomguard.jobs.probe import run_probe
+from oomguard.jobs.step_ups import StepUps
 from oomguard.jobs.trainers import make_trainer
 from oomguard.jobs.trainers.base import Trainer
 from oomguard.jobs.training import StepResult, Training, build_training, free, one_step, oom_measurement, unfit_to_continue
@@ -84,6 +87,14 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
         # (phase "setup"). Still an OOM for the doctor, not a crash to retry unchanged.
         oom = run.oom_outcome(error)
         return run.ended(oom)
+    except (DiskFull, OSError) as error:
+        # A full disk is not a crash: the attempt ends so that the job waits for room, and goes
+        # on from its last verified checkpoint (a partial write has removed itself).
+        if not isinstance(error, DiskFull) and not is_disk_full(error):
+            raise
+        full = error if isinstance(error, DiskFull) else unplanned_disk_full(error, attempt_dir, run.checkpoints_dir)
+        run.say(f"disk full: {full}")
+        return run.ended(disk_full_outcome(full, run.progress.step))
     finally:
         run.memory.withdraw()
         metrics.close()
@@ -114,6 +125,7 @@ class AttemptRun:
         self.checkpoints_dir = config.workdir / "checkpoints"
         self.last_checkpoint_time = 0.0
         self.steps_in_process = 0
+        self.step_ups = StepUps()
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -250,6 +262,9 @@ class AttemptRun:
         if leftover is not None:
             self.say(f"the failed step left {format_mib(leftover)} behind on the device: a new process must take over")
             return False
+        back = self.step_ups.after_oom(self.progress.step, training.plan, describe_oom(oom))
+        if back is not None:  # a step back up that did not hold, whatever the cause: the plan that worked
+            return self._change_plan(back)
         if oom.phase not in ("data", "forward", "backward") or not self.config.recover_in_process or len(self.recoveries) >= MAX_RECOVERIES:
             return False
         total = oom.memory.total if oom.memory else None
@@ -296,6 +311,19 @@ class AttemptRun:
         if (due_by_steps or due_by_time) and self.progress.step < train.max_steps:
             self.save_checkpoint()
             self.last_checkpoint_time = time.monotonic()
+            up = self.step_ups.at_checkpoint(
+                self.progress.step, training.plan, self.recoveries, self.measurements + _steady(self.records), self.memory.capacity(),
+            )
+            if up is not None and len(self.recoveries) < MAX_RECOVERIES:
+                self._change_plan(up)
+
+    def _change_plan(self, change: dict[str, Any]) -> bool:
+        """Switch the running training to a step's plan (back up, or back down), recorded."""
+        assert self.training is not None
+        self.recoveries.append(change)
+        self.say(f"at step {change['step']}: {change['reason']}")
+        self.training.apply(Plan.from_dict(change["to"]))
+        return True
 
     def _has_unsaved_steps(self) -> bool:
         return self.progress.last_checkpoint != self.progress.step and self.progress.step > 0
@@ -318,8 +346,13 @@ class AttemptRun:
                 job_name=self.job.name,
             )
 
+        train = self.job.train
         with self.memory.paused():
-            saved = checkpoints.save(self.checkpoints_dir, step, training.plan.to_dict(), write_state, self.job.train.keep_checkpoints)
+            need = checkpoint_need(self.checkpoints_dir, training, self.job.resources.disk, train.keep_every_steps, self.say)
+            with room_for(self.checkpoints_dir, need, "a checkpoint"):
+                saved = checkpoints.save(
+                    self.checkpoints_dir, step, training.plan.to_dict(), writing_into(write_state), train.keep_checkpoints, train.keep_every_steps,
+                )
         self.progress.last_checkpoint = step
         self.say(f"checkpoint at step {step} ({saved.path.name})")
 
@@ -330,7 +363,7 @@ class AttemptRun:
         assert self.training is not None
         self.control.phase = "checkpoint"
         final_dir = self.config.workdir / "final"
-        with self.memory.paused():
+        with self.memory.paused(), room_for(final_dir.parent, final_need(self.training), "the final model"):
             _save_final(self.trainer, self.training.final_model(), final_dir)
         self.say(f"finished: {self.progress.step} steps; final model in {final_dir}")
         return Outcome(kind="finished", step=self.progress.step)
@@ -396,7 +429,11 @@ def _save_final(trainer: Trainer, model: torch.nn.Module, final_dir: Path) -> No
     """Write the final model atomically: a `final/` directory is always complete."""
     temporary = final_dir.with_name(final_dir.name + ".tmp")
     shutil.rmtree(temporary, ignore_errors=True)
-    trainer.save_final(model, temporary)
+    try:
+        trainer.save_final(model, temporary)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)  # a full disk's partial write: its room is needed
+        raise
     if final_dir.exists():
         shutil.rmtree(final_dir)
     temporary.rename(final_dir)

@@ -5,8 +5,8 @@ writing ``outcome.json`` and exiting with one of the codes in strategies/outcome
 
     0  finished          3  out of device memory     75  stopped by SIGTERM after a checkpoint
     1  crashed           4  loss diverged (NaN/inf)   2  bad arguments or attempt directory
-                                                     76  stopped by SIGUSR1 (a cluster's time
-                                                         limit is near) after a checkpoint
+    5  disk full (it waits for room; its last       76  stopped by SIGUSR1 (a cluster's time
+       verified checkpoint is kept)                     limit is near) after a checkpoint
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from oomguard.jobs.attempt import OUTCOME, AttemptConfig, Control, write_json_at
 from oomguard.jobs.bootstrap.oomguard_noise import quiet_optional_kernel_warnings
 from oomguard.strategies.outcome import (
     EXIT_CRASHED,
+    EXIT_DISK_FULL,
     EXIT_DIVERGED,
     EXIT_FINISHED,
     EXIT_INTERRUPTED,
@@ -39,6 +40,7 @@ EXIT_CODE_BY_KIND = {
     "interrupted": EXIT_INTERRUPTED,
     "time_limit": EXIT_TIME_LIMIT,
     "crashed": EXIT_CRASHED,
+    "disk_full": EXIT_DISK_FULL,
 }
 
 

@@ -50,6 +50,22 @@ class Wait:
 
 
 @dataclass(frozen=True)
+class WaitForDisk:
+    """The disk was full: wait until ``needed`` bytes are free at ``path`` (None: the attempt
+    could not say how many), then run the same plan from the last verified checkpoint. It costs
+    the job no try, and never fails it: room is a person's to make, and they are told."""
+
+    reason: str
+    path: str
+    needed: int | None
+    free: int | None
+    # Not before this many seconds either (disk-full attempts in a row: strategies/doctor_disk.py).
+    after_seconds: float = 0.0
+    # The job's disk budget, when the room is missing in it rather than on the disk.
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
 class GiveUp:
     """Stop: a person has to act. ``report`` says what was tried and what could be done;
     ``next_step`` what the job's owner does now."""
@@ -59,4 +75,4 @@ class GiveUp:
     next_step: str
 
 
-Decision = NextPlan | Retry | Wait | GiveUp
+Decision = NextPlan | Retry | Wait | WaitForDisk | GiveUp

@@ -19,6 +19,7 @@ from oomguard.strategies import planner, rungs
 from oomguard.strategies.contention import Contention, bytes_to_wait_for, find_contention
 from oomguard.strategies.doctor_cluster import after_time_limit, continues, more_host_memory
 from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait
+from oomguard.strategies.doctor_disk import after_disk_full
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.oom_judge import is_fragmentation
 from oomguard.strategies.outcome import Outcome
@@ -76,9 +77,14 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
     unsafe = unsafe_rungs(history, policy)
     if unsafe:
         policy = dataclasses.replace(policy, allow=tuple(name for name in policy.allow if name not in unsafe), unsafe=unsafe)
-    # Interruptions and neighbours' spikes are not the job's doing: they do not use up its tries.
-    # A time limit reached after a checkpoint is a continuation: it costs no try either.
-    counted = [past for at, past in enumerate(history) if not continues(past.outcome, history[:at]) and contention_of(past) is None]
+    # Interruptions, neighbours' spikes and full disks are not the job's doing: they do not use
+    # up its tries. A time limit reached after a checkpoint is a continuation: it costs no try either.
+    counted = [
+        past for at, past in enumerate(history)
+        if not continues(past.outcome, history[:at]) and contention_of(past) is None and past.outcome.kind != "disk_full"
+    ]
+    if outcome.kind == "disk_full":
+        return after_disk_full(outcome, plan, history)
     if len(counted) >= policy.max_attempts:
         return give_up(f"{len(counted)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}", history, policy)
     if outcome.kind == "interrupted":

@@ -12,8 +12,10 @@ from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.plan import Plan
 
 # "time_limit": stopped before a batch scheduler's time limit (after a checkpoint when it had
-# one to make), to go on in the next attempt with the same plan.
-OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted", "time_limit"]
+# one to make), to go on in the next attempt with the same plan. "disk_full": a write (a
+# checkpoint, the metrics, the final model) found no room, or would not have: the job waits for
+# space (disk_path, disk_needed, disk_free) and goes on from its last verified checkpoint.
+OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted", "time_limit", "disk_full"]
 Phase = Literal["setup", "data", "forward", "backward", "optimizer", "checkpoint"]
 
 # The runner's exit codes. They are documented in the README; the daemon trusts outcome.json
@@ -25,6 +27,9 @@ EXIT_OOM = 3
 EXIT_DIVERGED = 4
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: stopped on request after a checkpoint; run it again
 EXIT_TIME_LIMIT = 76  # stopped on SIGUSR1 (a cluster's time limit is near) after a checkpoint
+# The disk was full. Not read back from a bare exit status (KIND_BY_EXIT_CODE): a command job's
+# script may exit 5 for reasons of its own; the runner's outcome.json says it.
+EXIT_DISK_FULL = 5
 
 KIND_BY_EXIT_CODE: dict[int, OutcomeKind] = {
     EXIT_FINISHED: "finished",
@@ -105,6 +110,14 @@ class Outcome:
     # The state a batch scheduler ended the attempt in, when that decided its outcome
     # ("NODE_FAIL", "OUT_OF_MEMORY", ...; None: it did not, or none ran it).
     scheduler_state: str | None = None
+    # A full disk ("disk_full"): the path that had no room, the bytes free there that the write
+    # needed (None: unknown, e.g. a command job's own write) and the bytes that were free.
+    disk_path: str | None = None
+    disk_needed: int | None = None
+    disk_free: int | None = None
+    # The job's disk budget ([resources] disk) when it, not the disk, had no room: disk_free is
+    # then what was left of it.
+    disk_budget: int | None = None
 
     @property
     def error_line(self) -> str | None:
@@ -226,7 +239,7 @@ def _check_types(data: dict[str, Any]) -> None:
         raise ValueError(f"unknown kind {_shown(data.get('kind'))} (known: {', '.join(_KINDS)})")
     if data.get("phase") is not None and data.get("phase") not in _PHASES:
         raise ValueError(f"unknown phase {_shown(data.get('phase'))} (known: {', '.join(_PHASES)})")
-    for key in ("step", "exit_code", "resumed_from", "host_memory_limit", "time_limit_without_checkpoint"):
+    for key in ("step", "exit_code", "resumed_from", "host_memory_limit", "time_limit_without_checkpoint", "disk_needed", "disk_free", "disk_budget"):
         if data.get(key) is not None and not _is_int(data[key]):
             raise TypeError(f"{key} must be an integer, not {_shown(data[key])}")
     for key in ("host_memory_limit", "time_limit_without_checkpoint"):
@@ -234,6 +247,13 @@ def _check_types(data: dict[str, Any]) -> None:
             raise ValueError(f"{key} must be positive, not {_shown(data[key])}")
     if data.get("scheduler_state") is not None and not (isinstance(data["scheduler_state"], str) and _WORD.fullmatch(data["scheduler_state"])):
         raise ValueError(f"scheduler_state must be a state's name, not {_shown(data['scheduler_state'])}")
+    for key in ("disk_needed", "disk_free", "disk_budget"):
+        if data.get(key) is not None and data[key] < 0:
+            raise ValueError(f"{key} must be bytes (0 or more), not {_shown(data[key])}")
+    path = data.get("disk_path")
+    # A path the daemon quotes and measures (os.statvfs): text of one line, of a sane length.
+    if path is not None and not (isinstance(path, str) and 0 < len(path) <= 4096 and "\0" not in path and "\n" not in path):
+        raise ValueError(f"disk_path must be a path, not {_shown(path)}")
     if "step" in data and data["step"] is None:
         raise TypeError("step must be an integer, not None")
     for key in ("message", "traceback_tail"):

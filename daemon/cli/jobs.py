@@ -50,7 +50,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     _, store = open_store(args.state_dir)
-    record = job_record(store, find_job(store, args.job))
+    job = find_job(store, args.job)
+    record = job_record(store, job)
     if args.json:
         print(json.dumps(record, indent=2))
         return EXIT_OK
@@ -62,6 +63,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     if command:
         say(f"  runs in: {command.get('cwd') or record['workdir']}")
     say(f"  plan: {short_plan(record['plan'])}")
+    if job.state == "queued" and job.disk_path is not None:
+        from oomguard.daemon.disk_wait import disk_note
+
+        say(f"  {disk_note(job)}")
     if record["result"]:
         say(f"  result: {record['result']}")
     for attempt in record["attempts"]:
@@ -83,7 +88,7 @@ def _how_it_ended(outcome: dict[str, Any]) -> str:
     if not outcome:
         return "running"
     ended = f"{outcome.get('kind')} at step {outcome.get('step')}"
-    if outcome.get("kind") in ("crashed", "host_oom", "diverged", "time_limit", "cancelled"):
+    if outcome.get("kind") in ("crashed", "host_oom", "diverged", "time_limit", "cancelled", "disk_full"):
         try:
             summary = Outcome.from_dict(outcome).summary
         except (TypeError, ValueError, AttributeError):  # stored by an oomguard that took any outcome.json

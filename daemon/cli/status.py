@@ -68,7 +68,11 @@ def _cells(job: JobRow, attempt: AttemptRow | None, attempts: int) -> tuple[str,
     if _number(heartbeat.get("peak_bytes")) is not None and job.state not in TERMINAL_STATES:
         memory = f"{format_bytes(int(heartbeat['peak_bytes']))} / {format_bytes(_int_or_none(heartbeat.get('capacity_bytes')))}"
     gpus = ",".join(str(index) for index in attempt.gpus) if running and attempt and attempt.gpus else ""
-    if job.state == "queued" and job.waiting:
+    if job.state == "queued" and job.disk_path is not None:
+        from oomguard.daemon.disk_wait import disk_note
+
+        note = disk_note(job)
+    elif job.state == "queued" and job.waiting:
         note = f"waiting: {job.waiting}"
     elif job.cancel_requested and job.state not in TERMINAL_STATES:
         note = "cancel requested"

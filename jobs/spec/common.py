@@ -31,6 +31,9 @@ LR_SCHEDULERS: tuple[str, ...] = ("constant_with_warmup", "constant", "linear", 
 MAX_BATCH_SIZE = 4096
 # diffusers' EMAModel's default decay, which its training scripts keep.
 DEFAULT_EMA_DECAY = 0.9999
+# The smallest [resources] disk a job may give its checkpoints (a smaller one is a typo: bytes
+# meant as MiB).
+MIN_DISK_BUDGET = 1 << 20
 # A seed must fit torch.manual_seed (0 .. 2**64 - 1).
 _MAX_SEED = 2**64 - 1
 
@@ -48,6 +51,9 @@ class TrainSpec:
     checkpoint_every_steps: int = None  # type: ignore[assignment]
     checkpoint_every_seconds: float | None = None
     keep_checkpoints: int = 2
+    # Checkpoints whose step is a multiple of this are kept for good, beyond the last
+    # keep_checkpoints (None: none is): jobs/checkpoints.py prune.
+    keep_every_steps: int | None = None
     lr_warmup_steps: int = 0
     num_train_timesteps: int = 1000
     weight_decay: float = 0.0
@@ -132,11 +138,14 @@ class ResourcesSpec:
     cpus: int | None = None
     time_limit: int | None = None
     gpu_type: str | None = None
+    # The most the job's checkpoints folder may hold, in bytes (None: no budget): a checkpoint
+    # that would take it past this waits as on a full disk (jobs/checkpoint_budget.py).
+    disk: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "gpus": self.gpus, "share": self.share, "memory": self.memory, "host_memory": self.host_memory, "cpus": self.cpus,
-            "time_limit": self.time_limit, "gpu_type": self.gpu_type,
+            "time_limit": self.time_limit, "gpu_type": self.gpu_type, "disk": self.disk,
         }
 
     @classmethod
@@ -144,6 +153,7 @@ class ResourcesSpec:
         return cls(
             gpus=int(data.get("gpus", 1)), share=bool(data.get("share", False)), memory=data.get("memory"),
             host_memory=data.get("host_memory"), cpus=data.get("cpus"), time_limit=data.get("time_limit"), gpu_type=data.get("gpu_type"),
+            disk=data.get("disk"),
         )
 
 
@@ -183,6 +193,19 @@ def parse_train(s: Section) -> TrainSpec:
     checkpoint_every_steps = s.int("checkpoint_every_steps", minimum=1, default=max(1, max_steps // 10))
     checkpoint_every_seconds = s.number("checkpoint_every_seconds", gt=0.0, default=None)
     keep_checkpoints = s.int("keep_checkpoints", minimum=1, default=2)
+    keep_every_steps = s.int("keep_every_steps", minimum=1, default=None)
+    if keep_every_steps is not None and keep_every_steps % checkpoint_every_steps:
+        raise s.fail(
+            "keep_every_steps",
+            f"expected a multiple of train.checkpoint_every_steps ({checkpoint_every_steps}), found {keep_every_steps}: a checkpoint "
+            f"is kept for good when its step is a multiple of it, and checkpoints are written every {checkpoint_every_steps} steps",
+        )
+    if keep_every_steps is not None and keep_every_steps >= max_steps:
+        raise s.fail(
+            "keep_every_steps",
+            f"expected less than train.max_steps ({max_steps}), found {keep_every_steps}: no checkpoint would be kept (the final "
+            "model is kept anyway); lower it, or remove it",
+        )
     lr_warmup_steps = s.int("lr_warmup_steps", minimum=0, default=0)
     if lr_warmup_steps >= max_steps:
         raise s.fail(
@@ -212,6 +235,7 @@ def parse_train(s: Section) -> TrainSpec:
         checkpoint_every_steps=checkpoint_every_steps,
         checkpoint_every_seconds=checkpoint_every_seconds,
         keep_checkpoints=keep_checkpoints,
+        keep_every_steps=keep_every_steps,
         lr_warmup_steps=lr_warmup_steps,
         num_train_timesteps=num_train_timesteps,
         weight_decay=weight_decay,
@@ -248,8 +272,13 @@ def parse_resources(s: Section) -> ResourcesSpec:
     gpu_type = s.str("gpu_type", default=None)
     if gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", gpu_type):
         raise s.fail("gpu_type", f"expected a GPU type as the cluster's gres.conf names it (e.g. \"a100\"), found {render_value(gpu_type)}")
+    disk = _size(s, "disk", "20GiB")
+    if disk is not None and s.ctx.command_job:
+        raise s.fail("disk", "a command job's script writes and prunes its own checkpoints, which oomguard cannot keep within a budget: remove it")
+    if disk is not None and disk < MIN_DISK_BUDGET:
+        raise s.fail("disk", f"expected at least 1MiB (room for a checkpoint), found {disk} bytes; write it as a size such as \"20GiB\"")
     return ResourcesSpec(
-        gpus=gpus, share=share, memory=memory, host_memory=host_memory, cpus=cpus, time_limit=time_limit, gpu_type=gpu_type,
+        gpus=gpus, share=share, memory=memory, host_memory=host_memory, cpus=cpus, time_limit=time_limit, gpu_type=gpu_type, disk=disk,
     )
 
 

@@ -38,9 +38,10 @@ MODEL_KEYS: tuple[str, ...] = (
     "norm_eps",
 )
 
-# What a job can be notified of (daemon/notifier.py); `escalated` is opt-in.
-NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "escalated", "stalled")
-DEFAULT_NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "stalled")
+# What a job can be notified of (daemon/notifier.py); `escalated` is opt-in. `waiting_for_disk`:
+# the disk was full, and the job waits for someone to make room (once per wait).
+NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "escalated", "stalled", "waiting_for_disk")
+DEFAULT_NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "stalled", "waiting_for_disk")
 
 _TOP_KEYS = ("name", "trainer", "priority", "workdir", "data", "model", "train", "ladder", "resources", "notify", "command")
 _DATA_KEYS = ("source", "resolution", "random_flip")
@@ -53,6 +54,7 @@ _TRAIN_KEYS = (
     "checkpoint_every_steps",
     "checkpoint_every_seconds",
     "keep_checkpoints",
+    "keep_every_steps",
     "lr_warmup_steps",
     "num_train_timesteps",
     "weight_decay",
@@ -62,7 +64,7 @@ _TRAIN_KEYS = (
     "ema_decay",
 )
 _LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe", "in_process")
-_RESOURCES_KEYS = ("gpus", "share", "memory", "host_memory", "cpus", "time_limit", "gpu_type")
+_RESOURCES_KEYS = ("gpus", "share", "memory", "host_memory", "cpus", "time_limit", "gpu_type", "disk")
 _COMMAND_KEYS = ("argv", "cwd", "env", "when", "processes")
 _NOTIFY_KEYS = ("urls", "tags", "events")
 
@@ -138,7 +140,7 @@ SPECIAL_HINTS: dict[str, str] = {
 
 # [train] keys of the built-in trainer only: a command's script decides these itself.
 SCRIPT_OWNED_TRAIN_KEYS = (
-    "learning_rate", "seed", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "lr_warmup_steps",
+    "learning_rate", "seed", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "keep_every_steps", "lr_warmup_steps",
     "num_train_timesteps", "weight_decay", "lr_scheduler", "ema", "ema_decay",
 )
 

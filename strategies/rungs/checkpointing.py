@@ -27,13 +27,19 @@ def describe(old: Plan, new: Plan) -> str:
 
 
 def configure_model(plan: Plan, model: Any) -> None:
-    """Diffusers models switch it on with their own method; others through torch's helper."""
-    if not plan.gradient_checkpointing:
-        return
-    if hasattr(model, "enable_gradient_checkpointing"):
-        model.enable_gradient_checkpointing()
-    else:
-        model.gradient_checkpointing_enable()
+    """On or off as the plan says: diffusers models with their own methods, transformers' with
+    theirs. Off matters to a runner stepping back up (jobs/step_ups.py): the model it switches
+    is the one it switched on."""
+    if plan.gradient_checkpointing:
+        if hasattr(model, "enable_gradient_checkpointing"):
+            model.enable_gradient_checkpointing()
+        else:
+            model.gradient_checkpointing_enable()
+    elif getattr(model, "is_gradient_checkpointing", False):
+        if hasattr(model, "disable_gradient_checkpointing"):
+            model.disable_gradient_checkpointing()
+        else:
+            model.gradient_checkpointing_disable()
 
 
 def memory(plan: Plan) -> MemoryTerms | None:

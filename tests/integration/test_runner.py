@@ -265,6 +265,44 @@ def test_oom_in_process_reruns_the_step_with_a_smaller_micro_batch_and_recompute
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("room_goes_again", [False, True], ids=["room-stays", "room-goes-again"])
+def test_a_job_steps_back_up_when_the_room_returns_and_back_down_when_it_does_not_hold(
+    tmp_path, baseline, baseline_weights, measured_full, micro_batch_3, room_goes_again
+):
+    """The device shrinks at step 5 (a neighbour came) and grows back from step 8 (it left): the
+    runner steps down at 5, and back up at the first checkpoint boundary that has the room (10).
+    When the room goes again at step 11, the step up does not hold: back to the plan that worked."""
+    cap = cap_between_micro_batch_4_and_8(measured_full, micro_batch_3)
+    schedule = f"{HUGE_CAP},{cap}B@{OOM_STEP},{HUGE_CAP}@8" + (f",{cap}B@11" if room_goes_again else "")
+
+    workdir = tmp_path / "work"
+    result = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=schedule))
+    outcome = assert_finished(result)
+    assert [m["step"] for m in result.metrics] == list(range(1, MAX_STEPS + 1))
+    down, up, *back = outcome.recoveries
+    assert down["step"] == OOM_STEP and down["from"]["micro_batch"] == 8
+    assert up["direction"] == "up" and up["step"] == 10 and up["from"] == down["to"] and up["to"] == down["from"]
+    assert "stepped back up" in up["reason"] and "stepped back up" in result.stdout
+    plans = {m["step"]: m["plan"] for m in result.metrics}
+    lower = Plan.from_dict(down["to"]).short()
+    if room_goes_again:
+        (back,) = back
+        assert back["direction"] == "back" and back["step"] == 11 and back["to"] == down["to"]
+        assert "the next try after 1 checkpoint(s)" in back["reason"]
+        # metrics count steps from 1: the 12th (index 11) ran out under mb=8 and ran again under the lower plan
+        assert [plans[step] for step in (6, 10, 11, 12)] == [lower, lower, "mb=8x1", lower]
+    else:
+        assert back == []
+        assert [plans[step] for step in (6, 10, 11, 12)] == [lower, lower, "mb=8x1", "mb=8x1"]
+    # Back up means the plan's own memory again, not only its name (checkpointing switched off).
+    full_peak = max(m["peak_bytes"] for m in result.metrics[1:OOM_STEP])
+    assert result.metrics[10]["peak_bytes"] == full_peak
+    # Every rung on the way is exact: the run that stepped down and up is the run that did not.
+    assert losses(result.metrics) == pytest.approx(losses(baseline[0].metrics), rel=1e-5, abs=1e-6)
+    assert_weights_allclose(load_final(workdir), baseline_weights)
+
+
+@pytest.mark.slow
 def test_probe_starts_at_the_micro_batch_that_fits_and_finishes_without_an_oom(tmp_path, measured_full, micro_batch_3):
     full_peak = steady_peak(measured_full[0])
     mb3_peak = steady_peak(micro_batch_3[0])

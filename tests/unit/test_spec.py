@@ -355,6 +355,16 @@ BAD_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("checkpoint_seconds_zero", {"train.checkpoint_every_seconds": 0}, "train.checkpoint_every_seconds: expected a number > 0, found 0"),
     ("checkpoint_seconds_str", {"train.checkpoint_every_seconds": "60"}, 'train.checkpoint_every_seconds: expected a number > 0, found a string ("60")'),
     ("keep_zero", {"train.keep_checkpoints": 0}, "train.keep_checkpoints: expected an integer >= 1, found 0"),
+    ("keep_every_zero", {"train.keep_every_steps": 0}, "train.keep_every_steps: expected an integer >= 1, found 0"),
+    ("keep_every_float", {"train.keep_every_steps": 20.0}, "train.keep_every_steps: expected an integer >= 1, found a float (20.0)"),
+    (
+        "keep_every_not_a_multiple", {"train.checkpoint_every_steps": 10, "train.keep_every_steps": 15},
+        "train.keep_every_steps: expected a multiple of train.checkpoint_every_steps (10), found 15",
+    ),
+    (
+        "keep_every_past_the_end", {"train.checkpoint_every_steps": 10, "train.keep_every_steps": 40},
+        "train.keep_every_steps: expected less than train.max_steps (40), found 40: no checkpoint would be kept",
+    ),
     ("warmup_negative", {"train.lr_warmup_steps": -1}, "train.lr_warmup_steps: expected an integer >= 0, found -1"),
     ("warmup_past_end", {"train.lr_warmup_steps": 41}, "train.lr_warmup_steps: must be less than train.max_steps (40), found 41"),
     ("timesteps_zero", {"train.num_train_timesteps": 0}, "train.num_train_timesteps: expected an integer >= 1, found 0"),
@@ -952,7 +962,10 @@ def test_module_exports():
         ({"resources.gpus": 0}, "resources.gpus: expected an integer in 1..64, found 0"),
         ({"resources.memory": "lots"}, "resources.memory: not a memory size: 'lots'"),
         ({"resources.share": "yes"}, "resources.share: expected true or false"),
-        ({"notify.events": ["done"]}, "notify.events: unknown notification event 'done' (expected one of: failed, finished, escalated, stalled)"),
+        ({"resources.disk": "lots"}, "resources.disk: not a memory size: 'lots'"),
+        ({"resources.disk": 4096}, 'resources.disk: expected at least 1MiB (room for a checkpoint), found 4096 bytes; write it as a size such as "20GiB"'),
+        ({"resources.disk": [1]}, 'resources.disk: expected a size such as "20GiB", found a list ([1])'),
+        ({"notify.events": ["done"]}, "notify.events: unknown notification event 'done' (expected one of: failed, finished, escalated, stalled, waiting_for_disk)"),
         ({"notify.tags": "lab"}, "notify.tags: expected a list of non-empty strings, found a string (\"lab\")"),
     ],
 )
@@ -974,6 +987,34 @@ def test_resources_and_notify_round_trip() -> None:
     assert (spec.resources.gpus, spec.resources.share, spec.resources.memory) == (2, True, 20 * 2**30)
     assert spec.notify.urls == ("json://h/x",) and spec.notify.events == ("failed",)
     assert JobSpec.parse(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+def test_retention_and_the_disk_budget_round_trip() -> None:
+    spec = parse_job_text(
+        to_toml(with_changes({"train.checkpoint_every_steps": 5, "train.keep_every_steps": 20, "resources.disk": "20GiB"})), "job.toml", base_dir=Path.cwd(),
+    )
+    assert (spec.train.keep_every_steps, spec.resources.disk) == (20, 20 * 2**30)
+    assert JobSpec.parse(json.loads(json.dumps(spec.to_dict()))) == spec
+    loaded = JobSpec.load(json.loads(json.dumps(spec.to_dict())))  # as the daemon reads it back from its store
+    assert (loaded.train.keep_every_steps, loaded.resources.disk) == (20, 20 * 2**30)
+    plain = parse_job_text(to_toml(base_doc()), "job.toml", base_dir=Path.cwd())
+    assert (plain.train.keep_every_steps, plain.resources.disk) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("added", "expected"),
+    [
+        ("[train]\nkeep_every_steps = 10\n", "train.keep_every_steps: a command job's script has its own; remove it here (pass it in [command] argv)"),
+        ('[resources]\ndisk = "20GiB"\n', "resources.disk: a command job's script writes and prunes its own checkpoints, which oomguard cannot keep within a budget: remove it"),
+    ],
+)
+def test_a_command_job_has_neither_retention_nor_a_disk_budget(tmp_path: Path, added: str, expected: str) -> None:
+    text = 'name = "x"\ntrainer = "command"\n[command]\nargv = ["python3", "-c", "pass"]\n' + (
+        "[train]\nbatch_size = 4\nmax_steps = 30\n" + added.removeprefix("[train]\n") if added.startswith("[train]") else "[train]\nbatch_size = 4\nmax_steps = 30\n" + added
+    )
+    with pytest.raises(JobFileError) as raised:
+        parse_job_text(text, tmp_path / "x.toml", check_files=False)
+    assert str(raised.value).endswith(expected)
 
 
 def test_an_unknown_key_in_a_command_job_lists_only_the_keys_a_command_job_may_use(tmp_path):

@@ -347,3 +347,21 @@ def test_the_daemon_forgets_ended_jobs_after_forget_after_checking_hourly(box: B
     box.clock.advance(2 * day)
     supervisor.tick()
     assert [job.id for job in box.store.jobs()] == [waiting]
+
+
+def test_a_step_back_up_in_the_runner_is_an_event_of_its_own_and_its_failure_an_escalation(box: Box) -> None:
+    supervisor = box.supervisor()
+    job_id = add(supervisor, "steps")
+    supervisor.drain()
+    (request,) = box.launcher.started
+    full = box.plan_of(request)
+    half = full.replace(micro_batch=full.micro_batch // 2)
+    changes = (
+        {"step": 5, "from": full.to_dict(), "to": half.to_dict(), "reason": "in-process -> [half]", "oom": "out of memory in forward at step 5"},
+        {"step": 10, "from": half.to_dict(), "to": full.to_dict(), "reason": "stepped back up to [full]", "direction": "up"},
+        {"step": 11, "from": full.to_dict(), "to": half.to_dict(), "reason": "the step back up did not hold", "oom": "out of memory", "direction": "back"},
+    )
+    box.launcher.finish(request, Outcome(kind="finished", step=8, recoveries=changes))
+    supervisor.drain()
+    runner_events = [(e.kind, e.code, e.data["step"]) for e in box.store.events(job_id) if e.code in ("in_runner", "step_up", "step_up_failed")]
+    assert runner_events == [("escalated", "in_runner", 5), ("stepped-up", "step_up", 10), ("escalated", "step_up_failed", 11)]
