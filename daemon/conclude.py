@@ -101,7 +101,14 @@ def _reported(job: JobRow, files: AttemptFiles, ended: Exit) -> Outcome | None:
     """The runner's report, or that nothing could run; None when neither says how it ended."""
     data = files.read_json(OUTCOME)
     outcome: Outcome | None = None
-    if ended.no_folder:
+    if ended.no_room:
+        # The shim found the disk full: not a crash, the job waits for room (no try used).
+        outcome = Outcome(
+            kind="disk_full", disk_path=job.workdir, disk_needed=None, disk_free=free_bytes(job.workdir),
+            message=f"the disk was full: the attempt found no room under its workdir {job.workdir} (for its folder, or to record "
+            "how it ended): No space left on device (how much room it needs is unknown)",
+        )
+    elif ended.no_folder:
         owner = job.owner
         outcome = Outcome(
             kind="crashed",

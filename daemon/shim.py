@@ -84,11 +84,16 @@ from oomguard.daemon.text import shorten
 from oomguard.daemon.users import user_name
 from oomguard.jobs.attempt import CONFIG, HEARTBEAT, METRICS, OUTCOME, SCHEDULES, write_json_atomic
 from oomguard.jobs.bootstrap import oomguard_ranks
+from oomguard.jobs.disk_space import is_disk_full
 
 EXIT_STATUS = "exit.json"
 # The shim's exit status when it cannot enter the workdir or create the attempt's folder in it
 # (as the owner): nothing ran, and there is nowhere to write exit.json.
 CANNOT_USE_FOLDER = 3
+# The disk under the workdir is full (or the owner's quota used up): the shim could not make the
+# attempt's folder, or could not record how the command ended. The job waits for room
+# (daemon/disk_wait.py) rather than counting it as a crash, which a full disk is not.
+NO_ROOM_FOR_FOLDER = 4
 # The most of a failed process's error the shim's line quotes (a CUDA OOM's is ~600 characters).
 ERROR_CHARS = 1000
 # How often the shim looks for a failed rank's mark, and for the command's exit, where it
@@ -123,8 +128,8 @@ def _arguments(args: list[str]) -> tuple[Path, dict[str, str], list[str]] | None
     return Path(args[0]), options, args[at + 1 :]
 
 
-def _prepare(attempt_dir: Path, workdir: str | None, config: str) -> str | None:
-    """Enter the workdir and make the attempt's folder, as the owner: None, or why not."""
+def _prepare(attempt_dir: Path, workdir: str | None, config: str) -> tuple[str, OSError] | None:
+    """Enter the workdir and make the attempt's folder, as the owner: None, or why not (and the error)."""
     where = f"enter its workdir {workdir}"
     try:
         if workdir is not None:
@@ -137,7 +142,7 @@ def _prepare(attempt_dir: Path, workdir: str | None, config: str) -> str | None:
             temporary.write_text(config)
             temporary.replace(attempt_dir / CONFIG)
     except OSError as error:
-        return f"oomguard: the attempt cannot {where} as {user_name(os.geteuid())}: {error.strerror or error}"
+        return f"oomguard: the attempt cannot {where} as {user_name(os.geteuid())}: {error.strerror or error}", error
     return None
 
 
@@ -167,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             log = CappedLog.with_limit(attempt_dir, log_limit)
         except OSError as error:
-            problem = f"oomguard: the attempt cannot write its log in {attempt_dir} as {user_name(os.geteuid())}: {error.strerror or error}"
+            problem = f"oomguard: the attempt cannot write its log in {attempt_dir} as {user_name(os.geteuid())}: {error.strerror or error}", error
     if problem is not None:
-        print(problem, file=sys.stderr)
-        return CANNOT_USE_FOLDER
+        print(problem[0], file=sys.stderr)
+        return NO_ROOM_FOR_FOLDER if is_disk_full(problem[1]) else CANNOT_USE_FOLDER
     _become_subreaper()
 
     def ours() -> set[int]:
@@ -193,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         if left_over:
             _say(output, f"ended {len(left_over)} process(es) of the attempt left running after the command exited")
     _collect_orphans()
-    _record_exit(attempt_dir, returncode, received, status.get("torn_down_at"), len(left_over), oom_kills)
+    try:
+        _record_exit(attempt_dir, returncode, received, status.get("torn_down_at"), len(left_over), oom_kills)
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        print(f"oomguard: the attempt cannot record how it ended in {attempt_dir}: {error.strerror or error}", file=sys.stderr)
+        return NO_ROOM_FOR_FOLDER
     return 0
 
 

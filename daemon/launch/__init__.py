@@ -103,6 +103,7 @@ class Exit:
     failed_process: dict[str, Any] | None = None  # the first process that recorded its own death
     oom_kills: int | None = None  # the kernel's OOM kills while it ran
     no_folder: bool = False  # it could not enter the workdir or make the attempt's folder, as the owner
+    no_room: bool = False  # the disk was full (or the owner's quota used up): no folder, or no exit status recorded
     scheduler: SchedulerEnd | None = None  # how a batch scheduler ended it (None: local)
 
 

@@ -21,7 +21,7 @@ from oomguard.daemon import processes
 from oomguard.daemon.as_user import spawn_options
 from oomguard.daemon.launch import Exit, Handle, LaunchRequest, QueueState
 from oomguard.daemon.log_cap import check_limit
-from oomguard.daemon.shim import CANNOT_USE_FOLDER, EXIT_STATUS
+from oomguard.daemon.shim import CANNOT_USE_FOLDER, EXIT_STATUS, NO_ROOM_FOR_FOLDER
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import AttemptFiles
 from oomguard.strategies.errors import LaunchFailed
@@ -107,11 +107,11 @@ class LocalLauncher:
             processes.send(processes.marked_with(handle.attempt_dir, owner_uid), signal.SIGKILL)
         ended = exit_from_files(files)
         # A shim of ours that could not enter the workdir, as the owner, had nowhere to write.
-        no_folder = not ended.recorded and child is not None and child.returncode == CANNOT_USE_FOLDER
+        no_folder = not ended.recorded and child is not None and child.returncode in (CANNOT_USE_FOLDER, NO_ROOM_FOR_FOLDER)
         return Exit(
             # Ended as this daemon watched it, recorded or not.
             returncode=ended.returncode, recorded=ended.recorded or child is not None, failed_process=ended.failed_process,
-            oom_kills=ended.oom_kills, no_folder=no_folder,
+            oom_kills=ended.oom_kills, no_folder=no_folder, no_room=no_folder and child is not None and child.returncode == NO_ROOM_FOR_FOLDER,
         )
 
     def stop(self, handle: Handle, *, kill: bool) -> None:

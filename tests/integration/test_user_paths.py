@@ -183,6 +183,31 @@ def test_a_workdir_the_shim_cannot_enter_ends_it_with_its_own_status(tmp_path: P
     assert not (gone / "attempts" / "001" / EXIT_STATUS).exists()
 
 
+def test_a_full_disk_under_the_workdir_ends_the_shim_with_its_own_status_and_the_attempt_waits_for_room(tmp_path: Path) -> None:
+    """In the soak (bench/soak.py) a disk that filled while jobs were queued made the shim's
+    mkdir fail: read as 'could not enter its workdir', a crash, it used up the job's retries."""
+    from oomguard.daemon.conclude import conclude
+    from oomguard.daemon.launch import Exit
+    from oomguard.daemon.store import Store
+    from oomguard.jobs.attempt import attempt_files
+    from oomguard.daemon.shim import NO_ROOM_FOR_FOLDER
+    from tests.small_disk import fill, small_disk
+
+    with small_disk(tmp_path / "disk", 1024 * 1024) as disk:
+        fill(disk, leave=0)
+        workdir = disk / "work"
+        workdir.mkdir()
+        done = run_shim(workdir / "attempts" / "001", "--workdir", str(workdir))
+        assert done.returncode == NO_ROOM_FOR_FOLDER and "No space left on device" in done.stderr
+        store = Store(tmp_path / "oomguard.db")
+        job_id = store.add_job(name="j", owner="me", spec={}, priority=0, workdir=str(workdir), plan={}, spool_file=None, jobs_root=tmp_path)
+        attempt_id = store.add_attempt(job_id=job_id, number=1, plan="{}", directory=str(workdir / "attempts" / "001"), started_at=1.0, pid=1)
+        ended = Exit(returncode=None, recorded=True, no_folder=True, no_room=True)
+        outcome = conclude(store.job(job_id), store.attempt(attempt_id), attempt_files(workdir / "attempts" / "001"), ended, lambda at: False)
+        store.close()
+    assert outcome.kind == "disk_full" and outcome.disk_path == str(workdir)
+
+
 @as_root
 def test_the_shim_enters_the_workdir_as_the_user_not_as_root(accounts, open_tmp: Path, others_can_run_oomguard) -> None:
     # A folder only root may enter: the shim, as alice, cannot, though the daemon could.
