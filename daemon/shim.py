@@ -67,7 +67,6 @@ from __future__ import annotations
 import ctypes
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -79,6 +78,7 @@ from typing import Any
 from oomguard.daemon import kernel_oom, processes
 from oomguard.daemon.log_cap import DEFAULT_LOG_LIMIT, MIN_LOG_LIMIT, CappedLog, check_limit
 from oomguard.daemon.shim_output import DRAIN_SECONDS, CommandOutput
+from oomguard.daemon.shim_signals import ignore_usr1_and_prefer_me, pass_signals_on, pass_usr1_again
 from oomguard.daemon.shim_wakeups import empty, exit_descriptor, mark_watch, signal_wakeup
 from oomguard.daemon.text import shorten
 from oomguard.daemon.users import user_name
@@ -102,8 +102,6 @@ POLL_SECONDS = 0.2
 # How long the attempt's processes have between SIGTERM and SIGKILL once one rank has failed
 # (or the command has ended with processes left over).
 TEARDOWN_GRACE_SECONDS = 3.0
-# SIGUSR1 (a cluster's time limit is near) is passed on again this often until the command ends.
-USR1_AGAIN_SECONDS = 5.0
 _PR_SET_CHILD_SUBREAPER = 36
 USAGE = "usage: python -m oomguard.daemon.shim ATTEMPT_DIR [--workdir DIR] [--cwd DIR] [--pass-usr1] [--log-limit BYTES] -- COMMAND [ARG...]"
 
@@ -181,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     def ours() -> set[int]:
         return processes.of_attempt(os.getpid(), args[0])
 
-    received = _pass_signals_on(ours, pass_usr1="--pass-usr1" in options)
+    received = pass_signals_on(ours, pass_usr1="--pass-usr1" in options)
     environment = {**os.environ, processes.ATTEMPT_DIR_ENV: args[0]}
     with log, CommandOutput(log) as output:
         oom_kills_before = kernel_oom.kills()
@@ -190,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         if child is None:
             return 127
         status: dict[str, Any] = {}
-        again = (lambda: _pass_usr1_again(ours, received, status)) if pass_usr1 else (lambda: None)
+        again = (lambda: pass_usr1_again(ours, received, status)) if pass_usr1 else (lambda: None)
         returncode = _wait(child, attempt_dir, ours, output, status, again)
         left_over = processes.end_all(output.copying(ours), TEARDOWN_GRACE_SECONDS)
         output.copy_to_end(DRAIN_SECONDS)
@@ -218,52 +216,6 @@ def _log_limit(given: str | None) -> int | None:
         return None
 
 
-def _pass_signals_on(ours: Callable[[], set[int]], *, pass_usr1: bool) -> list[str]:
-    """Outlive SIGTERM/SIGINT/SIGHUP, passing each on to the attempt's processes outside our
-    group, and SIGUSR1, passing it on to all of them when ``pass_usr1``; returns the list of
-    the names of those received (it fills as they come)."""
-    received: list[str] = []
-
-    def note(signum: int, frame: object) -> None:
-        received.append(signal.Signals(signum).name)
-        # The daemon signalled our process group; ranks in sessions of their own missed it.
-        group = os.getpgrp()
-        processes.send({pid for pid in ours() if _group_of(pid) not in (group, None)}, signum)
-
-    def time_limit_near(signum: int, frame: object) -> None:
-        received.append(signal.Signals(signum).name)
-        if pass_usr1:  # only the shim was signalled (--signal=B:)
-            processes.send(ours(), signum)
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, note)
-    signal.signal(signal.SIGUSR1, time_limit_near)
-    return received
-
-
-def _pass_usr1_again(ours: Callable[[], set[int]], received: list[str], status: dict[str, Any]) -> float | None:
-    """SIGUSR1 passed on again every USR1_AGAIN_SECONDS until the command ends: Slurm may send
-    it early, before the runner has its handler (the command starts with SIGUSR1 ignored, so
-    that one that comes too soon is not its death); a second one changes nothing. Returns the
-    seconds until it is due again; None before the first SIGUSR1 (nothing is due)."""
-    if "SIGUSR1" not in received:
-        return None
-    now = time.monotonic()
-    due = status.setdefault("usr1_again_at", now) + USR1_AGAIN_SECONDS
-    if now < due:
-        return due - now
-    status["usr1_again_at"] = now
-    processes.send(ours(), signal.SIGUSR1)
-    return USR1_AGAIN_SECONDS
-
-
-def _ignore_usr1_and_prefer_me() -> None:
-    """The command's start (before it execs): SIGUSR1 ignored until it installs its own
-    handler, and the kernel's first choice under host memory pressure."""
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    kernel_oom.prefer_me()
-
-
 def _start(
     command: list[str], cwd: str | None, environment: dict[str, str], attempt_dir: Path, output: CommandOutput, *, pass_usr1: bool,
 ) -> subprocess.Popen[bytes] | None:
@@ -272,7 +224,7 @@ def _start(
     try:
         return subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=output.write_end, stderr=subprocess.STDOUT, env=environment,
-            preexec_fn=_ignore_usr1_and_prefer_me if pass_usr1 else kernel_oom.prefer_me,
+            preexec_fn=ignore_usr1_and_prefer_me if pass_usr1 else kernel_oom.prefer_me,
             cwd=cwd,
         )
     except OSError as error:
@@ -395,13 +347,6 @@ def _collect_orphans() -> None:
             return
         if pid == 0:
             return
-
-
-def _group_of(pid: int) -> int | None:
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -14,12 +14,11 @@ from typing import Any
 from oomguard.daemon.cli.log_print import AttemptLog
 from oomguard.daemon.cli.output import EXIT_FAILED, EXIT_OK, CliError, say, short_plan
 from oomguard.daemon.cli.state import answer_to, current_user, find_job, job_record, open_store, write_spool_file
-from oomguard.daemon.inbox import request_text, spool_text
+from oomguard.daemon.inbox import request_text
 from oomguard.daemon.store import TERMINAL_STATES
 from oomguard.daemon.text import escape
 from oomguard.jobs.attempt import LOG
-from oomguard.jobs.spec import load_job_file
-from oomguard.strategies.errors import JobFileError, ReportError
+from oomguard.strategies.errors import ReportError
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
