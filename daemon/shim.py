@@ -67,6 +67,7 @@ from __future__ import annotations
 import ctypes
 import os
 import selectors
+import signal
 import subprocess
 import sys
 import time
@@ -308,7 +309,17 @@ def _tear_down_on_a_mark(attempt_dir: Path, ours: Callable[[], set[int]], output
         first = marks[0]
         _say(output, f"{_who(first)} died of {_clipped(first['error'])}; stopping every process of the attempt")
         status["torn_down_at"] = time.time()
-        processes.end_all(output.copying(ours), TEARDOWN_GRACE_SECONDS)
+        # A process that marked its own death writes the mark before Python prints its
+        # traceback, and the shim hears of the mark at once (inotify): a SIGTERM to it now would
+        # cut the traceback that says what it died of. The others are stopped; it is left to
+        # end by itself, and killed only when it outlives the grace period too.
+        dying = {mark["pid"] for mark in marks if isinstance(mark.get("pid"), int)}
+        processes.end_all(output.copying(lambda: ours() - dying), TEARDOWN_GRACE_SECONDS)
+        deadline = time.monotonic() + TEARDOWN_GRACE_SECONDS
+        while ours() & dying and time.monotonic() < deadline:
+            output.copy()
+            time.sleep(0.1)
+        processes.send(ours() & dying, signal.SIGKILL)
 
 
 def _who(mark: dict[str, Any]) -> str:
