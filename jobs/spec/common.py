@@ -193,19 +193,7 @@ def parse_train(s: Section) -> TrainSpec:
     checkpoint_every_steps = s.int("checkpoint_every_steps", minimum=1, default=max(1, max_steps // 10))
     checkpoint_every_seconds = s.number("checkpoint_every_seconds", gt=0.0, default=None)
     keep_checkpoints = s.int("keep_checkpoints", minimum=1, default=2)
-    keep_every_steps = s.int("keep_every_steps", minimum=1, default=None)
-    if keep_every_steps is not None and keep_every_steps % checkpoint_every_steps:
-        raise s.fail(
-            "keep_every_steps",
-            f"expected a multiple of train.checkpoint_every_steps ({checkpoint_every_steps}), found {keep_every_steps}: a checkpoint "
-            f"is kept for good when its step is a multiple of it, and checkpoints are written every {checkpoint_every_steps} steps",
-        )
-    if keep_every_steps is not None and keep_every_steps >= max_steps:
-        raise s.fail(
-            "keep_every_steps",
-            f"expected less than train.max_steps ({max_steps}), found {keep_every_steps}: no checkpoint would be kept (the final "
-            "model is kept anyway); lower it, or remove it",
-        )
+    keep_every_steps = _keep_every_steps(s, checkpoint_every_steps, max_steps)
     lr_warmup_steps = s.int("lr_warmup_steps", minimum=0, default=0)
     if lr_warmup_steps >= max_steps:
         raise s.fail(
@@ -246,6 +234,25 @@ def parse_train(s: Section) -> TrainSpec:
         ema=ema,
         ema_decay=ema_decay if ema_decay is not None else DEFAULT_EMA_DECAY,
     )
+
+
+def _keep_every_steps(s: Section, checkpoint_every_steps: int, max_steps: int) -> int | None:
+    """train.keep_every_steps: the checkpoints kept for good are those whose step is a multiple
+    of it, so it must be one of the steps checkpoints are written at, before the run's end."""
+    keep_every_steps = s.int("keep_every_steps", minimum=1, default=None)
+    if keep_every_steps is not None and keep_every_steps % checkpoint_every_steps:
+        raise s.fail(
+            "keep_every_steps",
+            f"expected a multiple of train.checkpoint_every_steps ({checkpoint_every_steps}), found {keep_every_steps}: a checkpoint "
+            f"is kept for good when its step is a multiple of it, and checkpoints are written every {checkpoint_every_steps} steps",
+        )
+    if keep_every_steps is not None and keep_every_steps >= max_steps:
+        raise s.fail(
+            "keep_every_steps",
+            f"expected less than train.max_steps ({max_steps}), found {keep_every_steps}: no checkpoint would be kept (the final "
+            "model is kept anyway); lower it, or remove it",
+        )
+    return keep_every_steps
 
 
 def parse_ladder(s: Section) -> LadderSpec:
