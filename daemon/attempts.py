@@ -27,6 +27,7 @@ from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.placement import Placement
 from oomguard.daemon.store import Store
+from oomguard.daemon.step_up_launch import launch_plan
 from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.daemon.users import Account
 from oomguard.jobs.attempt import HEARTBEAT, AttemptConfig, AttemptFiles
@@ -38,6 +39,7 @@ from oomguard.strategies import rungs
 from oomguard.strategies.decision import Retry
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.step_up_history import LAUNCH_STEP_UP_RUNG
 from oomguard.strategies.planner import describe_change
 from oomguard.strategies.units import format_duration_words
 from oomguard.strategies.errors import LaunchFailed, PermissionRefused
@@ -143,8 +145,11 @@ class Attempts:
         False when it could not start (the job has ended, saying why)."""
         gpus = placement.gpus
         spec = spec_for_attempt(job, self.jobs.spec(job))
-        plan = job.plan
-        number = len(self.store.attempts(job.id)) + 1
+        earlier = self.store.attempts(job.id)
+        number = len(earlier) + 1
+        # A command job may step back up here; a built-in job's runner is told how to itself.
+        launch = launch_plan(job, spec, earlier, placement, self.gpus.latest if self.gpus is not None else None)
+        plan = launch.plan
         # Absolute: the shim starts in / (a --state-dir given as a relative path makes relative workdirs).
         workdir = Path(os.path.abspath(job.workdir))
         attempt_dir = workdir / "attempts" / f"{number:03d}"
@@ -158,6 +163,7 @@ class Attempts:
             # job's script does not measure for us.
             probe=spec.ladder.probe and number == 1 and spec.command is None,
             recover_in_process=spec.ladder.in_process,
+            step_up=launch.history,
         )
         try:
             owner = owner_of(job)
@@ -169,14 +175,16 @@ class Attempts:
             )
             return False
         env = self._environment(plan, owner, gpus)
+        if launch.step_up is not None:
+            self.lifecycle.step_up_at_launch(job, launch.step_up, number)
         # The attempt is in the store before its process exists: a daemon that dies in between
         # finds the row and looks for it (adopt), so no attempt is started twice.
         attempt_id = self.lifecycle.start(
             job,
             number=number,
             plan=json.dumps(plan.to_dict()),
-            rung=job.next_rung,
-            reason=job.next_reason,
+            rung=LAUNCH_STEP_UP_RUNG if launch.step_up is not None else job.next_rung,
+            reason=launch.step_up.reason if launch.step_up is not None else job.next_reason,
             directory=str(attempt_dir),
             gpus=",".join(str(i) for i in gpus) if gpus is not None else None,
             started_at=self.clock.time(),
@@ -389,7 +397,10 @@ class Attempts:
             if isinstance(change.get("oom"), str):
                 # An OOM the runner recovered from itself: what ran out, what changed, and that
                 # training went on, in words (the daemon's log is what people read).
-                what += f"{change['oom']} -> {describe_change(old, new)}; {change['reason']}; resumed at step {change['step']} in the same process"
+                where = "a new process goes on from the checkpoint" if change.get("restart") else "resumed"
+                what += f"{change['oom']} -> {describe_change(old, new)}; {change['reason']}; {where} at step {change['step']}" + (
+                    "" if change.get("restart") else " in the same process"
+                )
             else:
                 what += change["reason"]
             # A step back up (jobs/step_ups.py) is an event of its own kind; its failure, like
@@ -398,7 +409,8 @@ class Attempts:
             self.events.event(
                 job, "stepped-up" if up else "escalated", what, code="step_up" if up else "step_up_failed" if change.get("direction") == "back" else "in_runner",
                 data={"step": change["step"], "from": old.short(), "to": new.short()},
-                next_step=None if up else f"the attempt goes on under [{new.short()}] in the same process",
+                next_step=None if up else f"the {'next attempt' if change.get('restart') else 'attempt'} goes on under [{new.short()}] in "
+                f"{'a new' if change.get('restart') else 'the same'} process",
             )
         self.store.update_attempt(attempt.id, recoveries_reported=len(changes))
 

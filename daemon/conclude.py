@@ -17,7 +17,7 @@ from oomguard.jobs.command import last_step_count
 from oomguard.jobs.disk_space import DISK_FULL_TEXT, free_bytes, named_path
 from oomguard.jobs.script_report import ScriptReport, read_script_report
 from oomguard.strategies.oom_text import read_oom
-from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.outcome import SUMMED_UP_KINDS, Outcome
 from oomguard.strategies.plan import Plan
 
 # How much of the end of a silent runner's log is read for the error it died of (across the
@@ -130,7 +130,7 @@ def ended_summary(attempt: AttemptRow, outcome: Outcome) -> str:
     summary = f"attempt {attempt.number} ({resumed}) ended: {outcome.kind} at step {outcome.step}"
     if outcome.kind == "oom" and outcome.phase:
         summary += f" in {outcome.phase}"
-    elif outcome.kind in ("crashed", "host_oom", "diverged", "time_limit", "cancelled", "disk_full") and outcome.summary:
+    elif outcome.kind in SUMMED_UP_KINDS and outcome.summary:
         summary += f": {outcome.summary}"
     return summary
 

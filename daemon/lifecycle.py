@@ -13,7 +13,7 @@ job, in one transaction.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,8 @@ from oomguard.strategies.doctor import decide
 from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait, WaitForDisk
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.step_up import StepUp
+from oomguard.strategies.step_up_history import LAUNCH_STEP_UP_RUNG, STEP_UP_FAILED_RUNG
 from oomguard.strategies.units import format_bytes
 
 # What a relaunch with other knobs keeps for a command job: the script draws its own noise per
@@ -111,8 +113,17 @@ class Lifecycle:
         """Queued again under the next plan of the ladder."""
         self._move(job.id, State.QUEUED, plan=json.dumps(plan.to_dict()), next_rung=rung, next_reason=reason)
         self.events.event(
-            job, "escalated", f"rung {rung}: {reason}", code="ladder", data={"rung": rung, "from": old_plan.short(), "to": plan.short()},
-            next_step=next_step,
+            job, "escalated", f"rung {rung}: {reason}", code=STEP_UP_FAILED_RUNG if rung == STEP_UP_FAILED_RUNG else "ladder",
+            data={"rung": rung, "from": old_plan.short(), "to": plan.short()}, next_step=next_step,
+        )
+
+    def replan(self, job: JobRow, decision: NextPlan, step: int) -> None:
+        """Queued again under the plan the runner ended its attempt for (a step back up that needs
+        a new process, or the way back from one: the runner's record of it is its own event)."""
+        self._move(job.id, State.QUEUED, plan=json.dumps(decision.plan.to_dict()), next_rung=decision.rung, next_reason=decision.reason)
+        self.events.event(
+            job, "requeued", f"the next attempt goes on under [{decision.plan.short()}] from the checkpoint at step {step} (a new process)",
+            code="replan", data={"rung": decision.rung, "to": decision.plan.short(), "step": step},
         )
 
     def wait_for_memory(self, job: JobRow, free_bytes: int, waiting: str, reason: str) -> None:
@@ -163,6 +174,16 @@ class Lifecycle:
         self._move(job.id, State.QUEUED, next_rung=None, next_reason=decision.reason, waiting=waiting, **asked)
         self.events.event(
             job, "retry", decision.reason, code="retry", data={"after_seconds": decision.after_seconds, **asked},
+        )
+
+    def step_up_at_launch(self, job: JobRow, step_up: StepUp, number: int) -> None:
+        """A command job relaunched under a faster plan it stepped down from (the daemon's step
+        up: its script cannot change plans while it runs)."""
+        old = job.plan
+        self.keep_plan(job, step_up.plan)
+        self.events.event(
+            job, "stepped-up", f"attempt {number}: {step_up.reason}; the command is relaunched under it", code="step_up",
+            data={"attempt": number, "from": old.short(), "to": step_up.plan.short()},
         )
 
     def keep_plan(self, job: JobRow, plan: Plan) -> None:
@@ -235,11 +256,13 @@ class Lifecycle:
         # The plan the attempt ended under: its probe or an in-process recovery may have
         # moved it from the one it started with.
         plan = outcome.plan or job.plan
-        history = [_past_attempt(a) for a in self.store.attempts(job.id) if a.outcome is not None]
+        history = past_attempts(self.store.attempts(job.id))
         decision = decide(outcome, plan, history, spec.policy())
         if isinstance(decision, (Retry, Wait, WaitForDisk)) and outcome.plan is not None:
             self.keep_plan(job, outcome.plan)
-        if isinstance(decision, NextPlan):
+        if isinstance(decision, NextPlan) and outcome.kind == "replan":
+            self.replan(job, decision, outcome.step)
+        elif isinstance(decision, NextPlan):
             self.escalate(
                 job, decision.plan, decision.rung, decision.reason,
                 next_step=f"the next attempt runs under [{decision.plan.short()}] from the last checkpoint", old_plan=plan,
@@ -298,7 +321,10 @@ class Lifecycle:
 NO_DISK_WAIT: Mapping[str, Any] = {"disk_path": None, "disk_wait_bytes": None, "disk_needed": None, "disk_budget": None}
 
 
-def _past_attempt(attempt: AttemptRow) -> PastAttempt:
-    outcome = attempt.outcome
-    assert outcome is not None  # only ended attempts are past
-    return PastAttempt(plan=outcome.plan or attempt.plan, outcome=outcome)
+def past_attempts(attempts: Sequence[AttemptRow]) -> list[PastAttempt]:
+    """The job's ended attempts as the doctor reads them: the plan each ended under, how, and
+    whether the daemon launched it under a step up (a command job's, at a relaunch)."""
+    return [
+        PastAttempt(plan=a.outcome.plan or a.plan, outcome=a.outcome, stepped_up=a.rung == LAUNCH_STEP_UP_RUNG)
+        for a in attempts if a.outcome is not None
+    ]

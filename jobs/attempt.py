@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # imported where an attempt.json is read: `oomguard status` r
     from oomguard.jobs.spec import JobSpec
     from oomguard.strategies.outcome import Phase
     from oomguard.strategies.plan import Plan
+    from oomguard.strategies.step_up_history import StepUpHistory
 
 CONFIG = "attempt.json"
 OUTCOME = "outcome.json"
@@ -56,6 +57,9 @@ class AttemptConfig:
     # Take the rungs that need no restart inside the process after an OOM in forward or
     # backward. Off only for benchmarks that time one fixed plan.
     recover_in_process: bool = True
+    # What the job's earlier attempts tell this one to step back up (a built-in job's; None:
+    # its first attempt, or a runner started by hand).
+    step_up: StepUpHistory | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -66,13 +70,16 @@ class AttemptConfig:
             "device": self.device.to_dict(),
             "probe": self.probe,
             "recover_in_process": self.recover_in_process,
+            "step_up": self.step_up.to_dict() if self.step_up is not None else None,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> AttemptConfig:
         from oomguard.jobs.spec import JobSpec
         from oomguard.strategies.plan import Plan
+        from oomguard.strategies.step_up_history import StepUpHistory
 
+        step_up = data.get("step_up")
         return cls(
             job=JobSpec.load(data["job"]),
             plan=Plan.from_dict(data["plan"]),
@@ -81,6 +88,7 @@ class AttemptConfig:
             device=_device_of(data),
             probe=bool(data.get("probe", False)),
             recover_in_process=bool(data.get("recover_in_process", True)),
+            step_up=StepUpHistory.from_dict(step_up) if step_up else None,
         )
 
     def write(self, attempt_dir: Path) -> None:

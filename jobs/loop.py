@@ -84,9 +84,11 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
             return run.ended(outcome)
     except torch.OutOfMemoryError as error:
         # Out of memory outside a training step: the model or a loaded checkpoint does not fit
-        # (phase "setup"). Still an OOM for the doctor, not a crash to retry unchanged.
+        # (phase "setup"), or a plan stepped up to at a checkpoint does not. Still an OOM for
+        # the doctor, not a crash to retry unchanged (or the way back from that step up).
         oom = run.oom_outcome(error)
-        return run.ended(oom)
+        back = run.step_ups.after_oom(run.progress.step, run.current_plan(), describe_oom(oom))
+        return run.ended(run.replan(back) if back is not None else oom)
     except (DiskFull, OSError) as error:
         # A full disk is not a crash: the attempt ends so that the job waits for room, and goes
         # on from its last verified checkpoint (a partial write has removed itself).
@@ -125,7 +127,7 @@ class AttemptRun:
         self.checkpoints_dir = config.workdir / "checkpoints"
         self.last_checkpoint_time = 0.0
         self.steps_in_process = 0
-        self.step_ups = StepUps()
+        self.step_ups = StepUps(config.step_up, in_process=config.recover_in_process)
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -159,6 +161,14 @@ class AttemptRun:
         when the attempt asks for one); the Outcome that ended the attempt already, if any."""
         latest, weights = _newest_usable(self.checkpoints_dir, self.memory, self.say)
         self.memory.begin_step(latest.step if latest is not None else 0)
+        if latest is not None:
+            # Nothing is built yet: any plan the job stepped down from in earlier attempts that
+            # fits the room there is now is a step up without a restart.
+            up = self.step_ups.at_start(latest.step, self.plan, self.memory.capacity())
+            if up is not None:
+                self.recoveries.append(up)
+                self.say(f"at step {up['step']}: {up['reason']}")
+                self.plan = Plan.from_dict(up["to"])
         # Before the probe: what it measures, and what it counts as left behind, is on top.
         self.control.phase = "setup"
         self.trainer.place_frozen(self.plan, self.device, self.memory)
@@ -224,13 +234,16 @@ class AttemptRun:
                 return self._stopped_on_request()
             result = self._step()
             if isinstance(result, Outcome):
-                if self._recover_in_process(result):
+                ending = self._after_oom(result)
+                if ending is None:
                     # Nothing of the step was applied: run the same step again.
                     continue
-                return self._end_on_oom(result)
+                return ending
             if not math.isfinite(result.loss):
                 return Outcome(kind="diverged", step=self.progress.step, phase="forward", message=f"loss is {result.loss} at step {self.progress.step}")
-            self._after_step(result, metrics)
+            ending = self._after_step(result, metrics)
+            if ending is not None:
+                return ending
         return None
 
     def _step(self) -> StepResult | Outcome:
@@ -245,13 +258,30 @@ class AttemptRun:
             # must be freed (when this returns) before anything else is allocated.
             return self.oom_outcome(error)
 
-    def _recover_in_process(self, oom: Outcome) -> bool:
-        """After an OOM in a step: free what the step held and, when this process can go on
-        and the doctor has a rung for it, take that rung here (True)."""
+    def _after_oom(self, oom: Outcome) -> Outcome | None:
+        """After an OOM in a step: free what the step held and go on in this process when it
+        can (None); else the Outcome that ends the attempt. A step up on trial goes back to the
+        plan that worked, whatever ran out (in this process, or in a new one: "replan")."""
         training = self.training
         assert training is not None
         free(training)
         leftover = unfit_to_continue(self.memory, training.resident_bytes())
+        back = self.step_ups.after_oom(self.progress.step, training.plan, describe_oom(oom))
+        if back is not None and not back["restart"] and leftover is None:
+            self._change_plan(back)
+            return None
+        if back is not None:
+            self._end_on_oom(oom)
+            return self.replan(back)
+        if self._recover_in_process(oom, leftover):
+            return None
+        return self._end_on_oom(oom)
+
+    def _recover_in_process(self, oom: Outcome, leftover: int | None) -> bool:
+        """When this process can go on after ``oom`` (its step's tensors freed) and the doctor
+        has a rung for it, take that rung here (True)."""
+        training = self.training
+        assert training is not None
         record = self.records.get(training.plan)
         contention = find_contention(oom.memory, max(record.peaks) if record and record.peaks else None)
         if contention is not None:
@@ -262,9 +292,6 @@ class AttemptRun:
         if leftover is not None:
             self.say(f"the failed step left {format_mib(leftover)} behind on the device: a new process must take over")
             return False
-        back = self.step_ups.after_oom(self.progress.step, training.plan, describe_oom(oom))
-        if back is not None:  # a step back up that did not hold, whatever the cause: the plan that worked
-            return self._change_plan(back)
         if oom.phase not in ("data", "forward", "backward") or not self.config.recover_in_process or len(self.recoveries) >= MAX_RECOVERIES:
             return False
         total = oom.memory.total if oom.memory else None
@@ -279,6 +306,14 @@ class AttemptRun:
         training.apply(recovery.plan)
         return True
 
+    def replan(self, change: dict[str, Any]) -> Outcome:
+        """End the attempt for a new process to go on under ``change``'s plan (a step up, or the
+        way back from one, that needs a restart), from the newest checkpoint."""
+        self.recoveries.append(change)
+        what = f"{change['oom']}; {change['reason']}" if isinstance(change.get("oom"), str) else change["reason"]
+        self.say(f"at step {change['step']}: {what}")
+        return Outcome(kind="replan", step=self.progress.step, next_plan=Plan.from_dict(change["to"]), message=what)
+
     def _end_on_oom(self, oom: Outcome) -> Outcome:
         # The state is consistent unless the OOM hit inside optimizer.step, where parameters
         # may be half updated: then the last checkpoint stands.
@@ -286,8 +321,9 @@ class AttemptRun:
             self.save_checkpoint()
         return oom
 
-    def _after_step(self, result: StepResult, metrics: IO[str]) -> None:
-        """Record the step's steady-state figures, count it, report it, checkpoint when due."""
+    def _after_step(self, result: StepResult, metrics: IO[str]) -> Outcome | None:
+        """Record the step's steady-state figures, count it, report it, checkpoint when due (and
+        step back up there: the Outcome that ends the attempt, when that takes a new process)."""
         training = self.training
         assert training is not None
         self.steps_in_process += 1
@@ -311,11 +347,16 @@ class AttemptRun:
         if (due_by_steps or due_by_time) and self.progress.step < train.max_steps:
             self.save_checkpoint()
             self.last_checkpoint_time = time.monotonic()
-            up = self.step_ups.at_checkpoint(
-                self.progress.step, training.plan, self.recoveries, self.measurements + _steady(self.records), self.memory.capacity(),
-            )
-            if up is not None and len(self.recoveries) < MAX_RECOVERIES:
+            up = None
+            if len(self.recoveries) < MAX_RECOVERIES:
+                up = self.step_ups.at_checkpoint(
+                    self.progress.step, training.plan, self.recoveries, self.measurements + _steady(self.records), self.memory.capacity(),
+                )
+            if up is not None:
+                if up["restart"]:
+                    return self.replan(up)
                 self._change_plan(up)
+        return None
 
     def _change_plan(self, change: dict[str, Any]) -> bool:
         """Switch the running training to a step's plan (back up, or back down), recorded."""

@@ -28,6 +28,7 @@ from oomguard.strategies.outcome import (
     EXIT_FINISHED,
     EXIT_INTERRUPTED,
     EXIT_OOM,
+    EXIT_REPLAN,
     EXIT_TIME_LIMIT,
     EXIT_USAGE,
     Outcome,
@@ -41,6 +42,7 @@ EXIT_CODE_BY_KIND = {
     "time_limit": EXIT_TIME_LIMIT,
     "crashed": EXIT_CRASHED,
     "disk_full": EXIT_DISK_FULL,
+    "replan": EXIT_REPLAN,
 }
 
 

@@ -15,6 +15,9 @@ from oomguard.strategies.plan import Plan
 class PastAttempt:
     plan: Plan
     outcome: Outcome
+    # Launched under a faster plan than the attempt before it ended with (a command job's step
+    # up at a relaunch: strategies/step_up_history.py).
+    stepped_up: bool = False
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.planner import candidate_plans, rungs_between
 from oomguard.strategies.policy import Policy
+from oomguard.strategies.step_up_history import after_failed_launch_step_up, after_replan, failed_launch_step_up, free_replan
 from oomguard.strategies.units import format_bytes
 
 
@@ -78,19 +79,25 @@ def decide(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy:
     if unsafe:
         policy = dataclasses.replace(policy, allow=tuple(name for name in policy.allow if name not in unsafe), unsafe=unsafe)
     # Interruptions, neighbours' spikes and full disks are not the job's doing: they do not use
-    # up its tries. A time limit reached after a checkpoint is a continuation: it costs no try either.
+    # up its tries. A time limit reached after a checkpoint is a continuation: it costs no try
+    # either, nor does a step back up (strategies/step_up_history.py), held or not.
     counted = [
         past for at, past in enumerate(history)
         if not continues(past.outcome, history[:at]) and contention_of(past) is None and past.outcome.kind != "disk_full"
+        and not free_replan(past, history[:at]) and not failed_launch_step_up(past)
     ]
     if outcome.kind == "disk_full":
         return after_disk_full(outcome, plan, history)
+    if history and failed_launch_step_up(history[-1]) and len(history) >= 2:
+        return after_failed_launch_step_up(outcome, history, describe_oom(outcome))
     if len(counted) >= policy.max_attempts:
         return give_up(f"{len(counted)} attempts made, the job's limit (ladder.max_attempts) is {policy.max_attempts}", history, policy)
     if outcome.kind == "interrupted":
         return Retry(reason="the attempt was interrupted; it continues from its checkpoint")
     if outcome.kind == "time_limit":
         return after_time_limit(outcome, plan)
+    if outcome.kind == "replan":
+        return after_replan(outcome, plan, history, policy)
     if outcome.kind == "host_oom" and outcome.host_memory_limit is not None:
         return more_host_memory(outcome, plan)
     if outcome.kind in ("crashed", "host_oom"):

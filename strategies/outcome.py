@@ -15,7 +15,10 @@ from oomguard.strategies.plan import Plan
 # one to make), to go on in the next attempt with the same plan. "disk_full": a write (a
 # checkpoint, the metrics, the final model) found no room, or would not have: the job waits for
 # space (disk_path, disk_needed, disk_free) and goes on from its last verified checkpoint.
-OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted", "time_limit", "disk_full"]
+# "replan": the runner ended the attempt just after a checkpoint to go on under ``next_plan``,
+# which needs a new process (a step back up, or back from one that did not hold:
+# strategies/step_up_history.py).
+OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted", "time_limit", "disk_full", "replan"]
 Phase = Literal["setup", "data", "forward", "backward", "optimizer", "checkpoint"]
 
 # The runner's exit codes. They are documented in the README; the daemon trusts outcome.json
@@ -30,6 +33,13 @@ EXIT_TIME_LIMIT = 76  # stopped on SIGUSR1 (a cluster's time limit is near) afte
 # The disk was full. Not read back from a bare exit status (KIND_BY_EXIT_CODE): a command job's
 # script may exit 5 for reasons of its own; the runner's outcome.json says it.
 EXIT_DISK_FULL = 5
+# To go on under another plan in a new process ("replan"). Not read back from a bare exit status
+# either: only the runner's outcome.json names the plan.
+EXIT_REPLAN = 77
+
+# The kinds whose one-line summary follows the kind wherever an attempt's end is shown (an OOM
+# is described from its figures instead; a finish or an interruption needs no words).
+SUMMED_UP_KINDS: tuple[OutcomeKind, ...] = ("crashed", "host_oom", "diverged", "time_limit", "cancelled", "disk_full", "replan")
 
 KIND_BY_EXIT_CODE: dict[int, OutcomeKind] = {
     EXIT_FINISHED: "finished",
@@ -118,6 +128,8 @@ class Outcome:
     # The job's disk budget ([resources] disk) when it, not the disk, had no room: disk_free is
     # then what was left of it.
     disk_budget: int | None = None
+    # "replan": the plan the next attempt runs under.
+    next_plan: Plan | None = None
 
     @property
     def error_line(self) -> str | None:
@@ -138,6 +150,7 @@ class Outcome:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["plan"] = self.plan.to_dict() if self.plan is not None else None
+        data["next_plan"] = self.next_plan.to_dict() if self.next_plan is not None else None
         data["measurements"] = [m.to_dict() for m in self.measurements]
         data["recoveries"] = list(self.recoveries)
         return data
@@ -156,12 +169,13 @@ class Outcome:
         memory = data.get("memory")
         if memory:
             memory = MemoryFigures(**_known(MemoryFigures, memory))
-        plan = data.get("plan")
+        plan, next_plan = data.get("plan"), data.get("next_plan")
         return cls(
             **{
                 **_known(cls, data),
                 "memory": memory or None,
                 "plan": Plan.from_dict(plan) if plan else None,
+                "next_plan": Plan.from_dict(next_plan) if next_plan else None,
                 "measurements": tuple(Measurement.from_dict(m) for m in data.get("measurements") or ()),
                 "recoveries": tuple(data.get("recoveries") or ()),
             }

@@ -9,8 +9,11 @@ this much room or more is not tried again (its measurement says so), and :class:
 spaces the tries after a step up that failed: 1, 2, 4, ... checkpoint boundaries, so a job on a
 card that keeps changing cannot flap.
 
-Only plans the running process can switch to (rungs that need no restart) are stepped up to
-here; every one of them is exact, so the trajectory is that of the run that never stepped down.
+A plan the running process can switch to (rungs that need no restart) is taken in the process;
+one that needs a new process (offload, precision, the 8-bit optimizer, LoRA, a quantized base)
+ends the attempt just after its checkpoint, and the next attempt resumes from it under that plan
+(jobs/loop.py, strategies/step_up_history.py). Stepping off an approximate rung is the most
+valuable step up: from there on the run is exact again, and the reason says so.
 """
 
 from __future__ import annotations
@@ -26,12 +29,17 @@ from oomguard.strategies.units import format_bytes
 # How many checkpoint boundaries the first wait after a failed step up lasts, and the most.
 FIRST_BACK_OFF = 1
 MOST_BACK_OFF = 64
+# A plan stepped down from that is expected this much slower than the one running (or less) is
+# still gone back to: the measured speeds of two plans differ by this much from noise alone.
+SPEED_TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
 class StepUp:
     plan: Plan
     reason: str
+    # Whether it takes a new process (a rung that differs needs a restart).
+    restart: bool = False
 
 
 def in_process_reach(current: Plan, other: Plan) -> bool:
@@ -40,26 +48,72 @@ def in_process_reach(current: Plan, other: Plan) -> bool:
     return all(not rung.needs_restart for name in planner.rungs_between(current, other) if (rung := rungs.rung(name)) is not None)
 
 
-def step_up(current: Plan, above: Sequence[Plan], measurements: Sequence[Measurement], capacity: int | None) -> StepUp | None:
-    """The plan to step back up to now, of ``above`` (the plans this process stepped down
-    from), or None: none fits ``capacity`` by the measurements (with the memory model's
-    margins), none is faster than ``current``, or the room is not known."""
+def step_up(
+    current: Plan, above: Sequence[Plan], measurements: Sequence[Measurement], capacity: int | None, *, origin: Plan | None = None,
+) -> StepUp | None:
+    """The plan to step back up to now, of ``above`` (the plans the job stepped down from), or
+    None: none fits ``capacity`` by the measurements (with the memory model's margins), none is
+    more faithful or faster than ``current``, or the room is not known. ``origin``: the job's
+    own plan, against which a plan's faithfulness is judged (exact before approximate)."""
     if capacity is None:
         return None
+    origin = origin or current
     failed = {m.plan for m in measurements if not m.fits and m.capacity is not None and m.capacity >= capacity}
-    candidates = [plan for plan in dict.fromkeys(above) if plan != current and plan not in failed and in_process_reach(current, plan)]
+    # A cure for fragmentation (a process rung) stays whatever plan is stepped up to.
+    levelled = [_with_process_rungs_of(current, plan) for plan in above]
+    candidates = [plan for plan in dict.fromkeys(levelled) if plan != current and plan not in failed]
     if not candidates:
         return None
     model = MemoryModel(measurements)
-    choice = planner.choose(current, [current, *candidates], model, capacity)
-    if choice is None or choice.plan == current:
+    choice = planner.choose(origin, candidates, model, capacity)
+    if choice is None or not _preferred(model, origin, choice.plan, current):
         return None
     peak = f"its peak {format_bytes(int(choice.predicted_peak))}" if choice.predicted_peak is not None else "it"
     speed = f" (~{choice.expected_samples_per_s:.1f} samples/s)" if choice.expected_samples_per_s is not None else ""
+    restart = not in_process_reach(current, choice.plan)
     return StepUp(
         plan=choice.plan,
-        reason=f"stepped back up to [{choice.plan.short()}]{speed}: {format_bytes(capacity)} of room again, and {peak} fits it with the margin",
+        reason=f"stepped back up to [{choice.plan.short()}]{speed}: {format_bytes(capacity)} of room again, and {peak} fits it with the margin"
+        + exact_again(origin, current, choice.plan),
+        restart=restart,
     )
+
+
+def _preferred(model: MemoryModel, origin: Plan, candidate: Plan, current: Plan) -> bool:
+    """Whether a plan the job stepped down from is worth going back to from ``current``: it is
+    more faithful, or as faithful and not measurably slower (the job chose it, and the rung it
+    took instead was for lack of room; timings on a busy machine differ by a few per cent)."""
+    candidate_rank, current_rank = planner.faithfulness(origin, candidate), planner.faithfulness(origin, current)
+    if candidate_rank != current_rank:
+        return candidate_rank < current_rank
+    candidate_speed, current_speed = model.expected_samples_per_s(candidate), model.expected_samples_per_s(current)
+    if candidate_speed is None or current_speed is None:
+        return True
+    return candidate_speed >= (1 - SPEED_TOLERANCE) * current_speed
+
+
+def approximate_rungs(origin: Plan, plan: Plan) -> list[str]:
+    """The approximate rungs (they change the numerics) ``plan`` has taken from ``origin``."""
+    return [name for name in planner.rungs_between(origin, plan) if (rung := rungs.rung(name)) is not None and not rung.exact]
+
+
+def exact_again(origin: Plan, current: Plan, target: Plan) -> str:
+    """What a step from ``current`` to ``target`` does to the run's numerics, when it leaves an
+    approximate rung: the rest of the run is exact again, or which approximate rungs remain."""
+    left = [name for name in approximate_rungs(origin, current) if name not in approximate_rungs(origin, target)]
+    if not left:
+        return ""
+    remaining = approximate_rungs(origin, target)
+    if not remaining:
+        return f"; off the approximate rung {', '.join(left)}: the rest of the run is exact again"
+    return f"; off the approximate rung {', '.join(left)} ({', '.join(remaining)} still approximate)"
+
+
+def _with_process_rungs_of(current: Plan, plan: Plan) -> Plan:
+    for rung in rungs.ladder():
+        if rung.role == "process":
+            plan = rung.set(plan, rung.get(current))
+    return plan
 
 
 @dataclass
@@ -69,6 +123,14 @@ class BackOff:
 
     wait: int = 0
     next_wait: int = FIRST_BACK_OFF
+
+    @classmethod
+    def after_failures(cls, failures: int) -> BackOff:
+        """The back-off of a new attempt of a job whose step ups failed ``failures`` times (in
+        earlier attempts): the wait the last failure set, counted from this attempt's start."""
+        if failures <= 0:
+            return cls()
+        return cls(wait=min(FIRST_BACK_OFF * 2 ** (failures - 1), MOST_BACK_OFF), next_wait=min(FIRST_BACK_OFF * 2**failures, MOST_BACK_OFF))
 
     def ready(self) -> bool:
         """At a checkpoint boundary: whether a step up may be tried (else one boundary less to wait)."""

@@ -82,12 +82,12 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _how_it_ended(outcome: dict[str, Any]) -> str:
     """An attempt's end for `show`: how and at which step, and what a failed one died of."""
-    from oomguard.strategies.outcome import Outcome
+    from oomguard.strategies.outcome import SUMMED_UP_KINDS, Outcome
 
     if not outcome:
         return "running"
     ended = f"{outcome.get('kind')} at step {outcome.get('step')}"
-    if outcome.get("kind") in ("crashed", "host_oom", "diverged", "time_limit", "cancelled", "disk_full"):
+    if outcome.get("kind") in SUMMED_UP_KINDS:
         try:
             summary = Outcome.from_dict(outcome).summary
         except (TypeError, ValueError, AttributeError):  # stored by an oomguard that took any outcome.json

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.step_up import MOST_BACK_OFF, BackOff, in_process_reach, step_up
+from oomguard.strategies.step_up import MOST_BACK_OFF, BackOff, exact_again, in_process_reach, step_up
 
 MiB = 2**20
 FULL = Plan.initial(16)
@@ -40,10 +40,43 @@ def test_no_step_up_while_the_room_is_short_unknown_or_the_plan_failed_with_as_m
     assert step_up(HALF, [], MEASURED, capacity=500 * MiB) is None  # nothing it stepped down from
 
 
-def test_only_plans_a_running_process_can_switch_to() -> None:
+def test_a_plan_that_needs_a_new_process_is_named_as_one() -> None:
     offloaded = HALF.replace(offload="optimizer")
     assert in_process_reach(HALF, FULL.replace(gradient_checkpointing=True)) and not in_process_reach(offloaded, HALF)
-    assert step_up(offloaded, [HALF], [*MEASURED, ran(offloaded, 40, samples_per_s=90.0)], capacity=500 * MiB) is None
+    up = step_up(offloaded, [HALF], [*MEASURED, ran(offloaded, 40, samples_per_s=90.0)], capacity=500 * MiB)
+    assert up is not None and up.plan == HALF and up.restart
+    assert not step_up(HALF, [FULL], MEASURED, capacity=120 * MiB).restart  # type: ignore[union-attr]
+
+
+def test_stepping_off_an_approximate_rung_says_the_rest_of_the_run_is_exact_again() -> None:
+    eight_bit = HALF.replace(optimizer="adamw8bit")
+    both = eight_bit.replace(mixed_precision="bf16")
+    half_precision = HALF.replace(mixed_precision="bf16")
+    measured = [*MEASURED, ran(eight_bit, 50, samples_per_s=160.0), ran(both, 40, samples_per_s=170.0), ran(half_precision, 55, 165.0)]
+    # Exact before approximate: HALF is slower than the 8-bit plan, and still the step up.
+    up = step_up(eight_bit, [FULL, HALF], measured, capacity=70 * MiB, origin=FULL)
+    assert up is not None and up.plan == HALF and up.restart
+    assert up.reason.endswith("off the approximate rung optimizer_8bit: the rest of the run is exact again")
+    # The planner ranks a plan by its most invasive approximate rung: off the 8-bit optimizer,
+    # bf16 kept, is a step up.
+    partly = step_up(both, [half_precision], measured, capacity=70 * MiB, origin=FULL)
+    assert partly is not None and partly.plan == half_precision
+    assert partly.reason.endswith("off the approximate rung optimizer_8bit (precision still approximate)")
+    assert exact_again(FULL, HALF, FULL) == ""
+
+
+def test_a_cure_for_fragmentation_stays_whatever_plan_is_stepped_up_to() -> None:
+    cured = HALF.replace(allocator="expandable_segments:True")
+    up = step_up(cured, [FULL], [*MEASURED, ran(cured, 60, samples_per_s=150.0), ran(FULL.replace(allocator=cured.allocator), 100, 200.0)],
+                 capacity=120 * MiB)
+    assert up is not None and up.plan == FULL.replace(allocator=cured.allocator) and not up.restart
+
+
+def test_a_new_attempt_waits_as_long_as_the_last_failure_said() -> None:
+    assert BackOff.after_failures(0) == BackOff()
+    assert (BackOff.after_failures(1).wait, BackOff.after_failures(1).next_wait) == (1, 2)
+    assert (BackOff.after_failures(3).wait, BackOff.after_failures(3).next_wait) == (4, 8)
+    assert BackOff.after_failures(40).wait == MOST_BACK_OFF
 
 
 def test_the_wait_after_a_step_up_that_did_not_hold_doubles_up_to_a_bound() -> None:
@@ -55,3 +88,10 @@ def test_the_wait_after_a_step_up_that_did_not_hold_doubles_up_to_a_bound() -> N
     back_off.failed()
     back_off.failed()  # waits 2 boundaries
     assert [back_off.ready() for _ in range(3)] == [False, False, True]
+
+
+def test_a_plan_stepped_down_from_is_gone_back_to_unless_it_is_measurably_slower() -> None:
+    offloaded = FULL.replace(offload="optimizer")
+    for offloaded_rate, expected in ((195.0, FULL), (209.0, FULL), (215.0, None)):
+        up = step_up(offloaded, [FULL], [*MEASURED, ran(offloaded, 60, samples_per_s=offloaded_rate)], capacity=500 * MiB)
+        assert (up.plan if up is not None else None) == expected, offloaded_rate

@@ -365,3 +365,63 @@ def test_a_step_back_up_in_the_runner_is_an_event_of_its_own_and_its_failure_an_
     supervisor.drain()
     runner_events = [(e.kind, e.code, e.data["step"]) for e in box.store.events(job_id) if e.code in ("in_runner", "step_up", "step_up_failed")]
     assert runner_events == [("escalated", "in_runner", 5), ("stepped-up", "step_up", 10), ("escalated", "step_up_failed", 11)]
+
+
+COMMAND_JOB = """\
+name = "script"
+trainer = "command"
+[command]
+argv = ["python3", "train.py", "--train_batch_size={micro_batch}", "--gradient_accumulation_steps={grad_accum}"]
+[train]
+batch_size = 16
+max_steps = 20
+[ladder]
+max_attempts = 2
+"""
+
+
+def test_a_command_job_steps_back_up_at_a_relaunch_and_back_when_it_does_not_hold(box: Box, tmp_path: Path) -> None:
+    """The device has 80 MiB from step 5 to 9 (a neighbour); the script ran out of memory at 5
+    and went on at micro-batch 8. Relaunched after a time limit at step 9, with the room back,
+    it goes back to 16; that runs out of memory again (the neighbour came back): micro-batch 8,
+    no try used (the job has two), and only the relaunch after that one steps up again."""
+    from oomguard.jobs.device import DeviceSpec
+    from oomguard.jobs.spec import parse_job_text
+    from oomguard.strategies.memory_model import Measurement
+
+    supervisor = box.supervisor(device=DeviceSpec.from_option("1000MiB,80MiB@5,1000MiB@9"))
+    spec = parse_job_text(COMMAND_JOB, tmp_path / "script.toml", check_files=False)
+    job_id = supervisor.add_job(spec, Account.current(), workdir=str(tmp_path / "work"))
+    static = {"parameters": 8 * MiB, "trainable": 8 * MiB, "optimizer_state": 16 * MiB}
+
+    def ran(plan: Plan, peak_mib: int) -> Measurement:
+        return Measurement(plan=plan, fits=True, peak_bytes=peak_mib * MiB, capacity=1000 * MiB, samples_per_s=100.0, static=static)
+
+    def out_of_memory(step: int, plan: Plan, *measured: Measurement) -> Outcome:
+        figures = MemoryFigures(requested=4 * MiB, allocated=78 * MiB, free=0, total=80 * MiB, breakdown={"activations": 40 * MiB})
+        return Outcome(kind="oom", step=step, phase="forward", memory=figures, measurements=(*measured, figures.measurement(plan, step)))
+
+    def attempt() -> tuple[LaunchRequest, Plan]:
+        supervisor.drain()
+        request = box.launcher.started[-1]
+        return request, box.plan_of(request)
+
+    request, own = attempt()
+    box.launcher.finish(request, out_of_memory(5, own, ran(own, 100)))
+    request, half = attempt()
+    assert half.micro_batch == 8 and "--train_batch_size=8" in request.argv
+    box.launcher.finish(request, Outcome(kind="time_limit", step=9, resumed_from=5, measurements=(ran(half, 60),)))
+    request, stepped = attempt()
+    assert stepped == own and "--train_batch_size=16" in request.argv
+    (up,) = [e for e in box.store.events(job_id) if e.code == "step_up"]
+    assert up.kind == "stepped-up" and up.message.startswith("attempt 3: stepped back up to [mb=16x1]")
+    box.launcher.finish(request, out_of_memory(11, own))
+    request, back = attempt()
+    assert back == half
+    (failed,) = [e for e in box.store.events(job_id) if e.code == "step_up_failed"]
+    assert "the step back up to [mb=16x1] did not hold -> back to [mb=8x2]" in failed.message
+    box.launcher.finish(request, Outcome(kind="time_limit", step=13, resumed_from=11))
+    request, again = attempt()
+    assert again == own  # the way back was the relaunch it waited; this one has the room
+    assert len([e for e in box.store.events(job_id) if e.code == "step_up"]) == 2
+    assert box.store.job(job_id).state == "running"

@@ -1,0 +1,187 @@
+"""Stepping back up across attempts: what a new attempt is told of the job's earlier ones (the
+plans it stepped down from, what they measured, a step up on trial, how many failed), and the
+doctor's side of a relaunch's step up for a command job, whose script the daemon cannot ask to
+change plans while it runs.
+
+A built-in job's runner steps up itself (jobs/step_ups.py): at the start of an attempt, before
+it builds anything, and at each checkpoint boundary, where a plan that needs a new process
+ends the attempt as "replan" (no try used) and the next one resumes from that checkpoint under
+it. A command job steps up when it is relaunched anyway (a time limit, an interruption, a
+retry): the daemon launches it under the faster plan when the GPU it was placed on has the room
+(``launch_step_up``). Either way a step up that runs out of memory before it has held goes
+straight back to the plan that worked, and the next try waits 1, 2, 4, ... up to 64 boundaries
+(a command job: relaunches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from oomguard.strategies import rungs
+from oomguard.strategies.decision import Decision, NextPlan, PastAttempt, Retry
+from oomguard.strategies.memory_model import Measurement
+from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.plan import Plan
+from oomguard.strategies.planner import rungs_between
+from oomguard.strategies.policy import Policy
+from oomguard.strategies.step_up import FIRST_BACK_OFF, MOST_BACK_OFF, BackOff, StepUp, step_up
+
+UP = "up"
+BACK = "back"
+# The rung names the next attempt is recorded under: a runner's step up through a restart, a
+# command job's step up at a relaunch (the daemon's), and the way back from either.
+STEP_UP_RUNG = "step_up"
+LAUNCH_STEP_UP_RUNG = "step_up_at_relaunch"
+STEP_UP_FAILED_RUNG = "step_up_failed"
+
+# Measurements an attempt is told of, at most (the newest): a job of many attempts (a Slurm
+# run of daily time limits) must not carry its whole history into every attempt.json.
+MOST_MEASUREMENTS = 256
+
+
+@dataclass(frozen=True)
+class StepUpHistory:
+    """What a built-in job's attempt knows of the job's earlier attempts, to step back up."""
+
+    # The job's own plan: faithfulness is judged against it (exact before approximate).
+    origin: Plan
+    # The plans the job stepped down from, the job's own first.
+    above: tuple[Plan, ...] = ()
+    measurements: tuple[Measurement, ...] = ()
+    # The plan the attempt before stepped up from (it ended "replan" to step up): this attempt
+    # goes back to it if it runs out of memory before its first checkpoint boundary.
+    trial_from: Plan | None = None
+    # Step ups that did not hold, in all the job's attempts.
+    failures: int = 0
+
+    def back_off(self) -> BackOff:
+        return BackOff.after_failures(self.failures)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "origin": self.origin.to_dict(),
+            "above": [plan.to_dict() for plan in self.above],
+            "measurements": [m.to_dict() for m in self.measurements],
+            "trial_from": self.trial_from.to_dict() if self.trial_from is not None else None,
+            "failures": self.failures,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepUpHistory:
+        trial_from = data.get("trial_from")
+        return cls(
+            origin=Plan.from_dict(data["origin"]),
+            above=tuple(Plan.from_dict(plan) for plan in data.get("above") or ()),
+            measurements=tuple(Measurement.from_dict(m) for m in data.get("measurements") or ()),
+            trial_from=Plan.from_dict(trial_from) if trial_from else None,
+            failures=int(data.get("failures") or 0),
+        )
+
+
+def step_up_history(history: Sequence[PastAttempt], policy: Policy, plan: Plan) -> StepUpHistory:
+    """What the next attempt under ``plan`` is told, from the job's ended attempts."""
+    from oomguard.strategies.doctor import measurements_of, unsafe_rungs  # the doctor imports this module
+
+    origin = policy.initial or (history[0].plan if history else plan)
+    unsafe = set(unsafe_rungs(history, policy))
+    above = [origin, *(p for past in history for p in stepped_down_from(past))]
+    # A plan under which the loss diverged is never gone back to.
+    safe = [p for p in dict.fromkeys(above) if not unsafe.intersection(rungs_between(origin, p))]
+    last = history[-1] if history else None
+    return StepUpHistory(
+        origin=origin,
+        above=tuple(safe),
+        measurements=tuple(measurements_of(history)[-MOST_MEASUREMENTS:]),
+        trial_from=replanned_up_from(last.outcome.recoveries) if last is not None and last.outcome.kind == "replan" else None,
+        failures=sum(1 for past in history for change in past.outcome.recoveries if change.get("direction") == BACK),
+    )
+
+
+def stepped_down_from(past: PastAttempt) -> list[Plan]:
+    """The plans an attempt left for a slower one: the ones its runner recovered from (the
+    probe's first included; not a step up's, nor the plan a failed one went back from), and its
+    own when it ended out of memory (the doctor then chose the next)."""
+    plans = [Plan.from_dict(change["from"]) for change in past.outcome.recoveries if change.get("direction") not in (UP, BACK)]
+    if past.outcome.kind == "oom":
+        plans.append(past.plan)
+    return plans
+
+
+def replanned_up_from(recoveries: Sequence[dict[str, Any]]) -> Plan | None:
+    """The plan a "replan" attempt stepped up from (its last record: a step up that needs a new
+    process), or None when it went back from one."""
+    last = recoveries[-1] if recoveries else None
+    return Plan.from_dict(last["from"]) if last is not None and last.get("direction") == UP else None
+
+
+# -- a command job's step up at a relaunch -------------------------------------------------------
+
+
+def launch_step_up(history: Sequence[PastAttempt], policy: Policy, plan: Plan, capacity: int | None) -> StepUp | None:
+    """For a command job about to be relaunched under ``plan`` on a GPU with ``capacity`` bytes
+    free: the faster plan it stepped down from that the measurements say fits, or None (none
+    does, or the relaunches since a step up that failed are fewer than its back-off)."""
+    failures = [at for at, past in enumerate(history) if failed_launch_step_up(past)]
+    if failures:
+        wait = min(FIRST_BACK_OFF * 2 ** (len(failures) - 1), MOST_BACK_OFF)
+        if len(history) - 1 - failures[-1] < wait:
+            return None
+    known = step_up_history(history, policy, plan)
+    return step_up(plan, known.above, known.measurements, capacity, origin=known.origin)
+
+
+def failed_launch_step_up(past: PastAttempt) -> bool:
+    """An attempt launched under a step up that ran out of memory: its step up did not hold."""
+    return past.stepped_up and past.outcome.kind == "oom"
+
+
+# -- the doctor's side ----------------------------------------------------------------------------
+
+
+def free_replan(past: PastAttempt, earlier: Sequence[PastAttempt]) -> bool:
+    """A "replan" that costs the job no try: one that trained and checkpointed first, or the way
+    back from a step up that did not hold (taken in the same attempt, or the one before). One
+    that did neither costs a try, so that a job cannot go round for ever without moving."""
+    outcome = past.outcome
+    if outcome.kind != "replan" or outcome.next_plan is None:
+        return False
+    moved = outcome.step > (outcome.resumed_from or 0)
+    trial = any(change.get("direction") == UP for change in outcome.recoveries)
+    after_trial = bool(earlier) and earlier[-1].outcome.kind == "replan"
+    return moved or trial or after_trial
+
+
+def after_replan(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
+    """The runner ended the attempt to go on under ``outcome.next_plan`` in a new process: the
+    next attempt runs under it, from the checkpoint just made, when it is a plan the job may run
+    (outcome.json is the job owner's file: a plan it names is checked like a job file's)."""
+    from oomguard.strategies.doctor import unsafe_rungs  # the doctor imports this module
+
+    target = outcome.next_plan
+    origin = policy.initial or (history[0].plan if history else plan)
+    if target is None:
+        return Retry(reason="the runner ended the attempt to change plans without naming the plan; the same plan again")
+    allowed = {*policy.allow, *(r.name for r in rungs.ladder() if r.role in ("batch", "process"))}
+    refused = [name for name in rungs_between(origin, target) if name not in allowed or name in unsafe_rungs(history, policy)]
+    if refused:
+        return Retry(reason=f"the runner asked to go on under [{target.short()}], which takes {', '.join(refused)} (not allowed for this job); the same plan again")
+    back = bool(outcome.recoveries) and outcome.recoveries[-1].get("direction") == BACK
+    return NextPlan(
+        plan=target, rung=STEP_UP_FAILED_RUNG if back else STEP_UP_RUNG,
+        reason=f"{outcome.message} -> the next attempt goes on under [{target.short()}] from the checkpoint at step {outcome.step}",
+    )
+
+
+def after_failed_launch_step_up(outcome: Outcome, history: Sequence[PastAttempt], describe: str) -> NextPlan:
+    """A command job relaunched under a step up ran out of memory (``describe``): back to the plan
+    of the attempt before it, which worked; the next step up waits twice as many relaunches."""
+    failures = sum(1 for past in history if failed_launch_step_up(past))
+    wait = min(FIRST_BACK_OFF * 2 ** (failures - 1), MOST_BACK_OFF)
+    before = history[-2].plan
+    return NextPlan(
+        plan=before, rung=STEP_UP_FAILED_RUNG,
+        reason=f"{describe}: the step back up to [{history[-1].plan.short()}] did not hold -> back to [{before.short()}], the plan that "
+        f"worked; the next try after {wait} relaunch(es)",
+    )
