@@ -45,6 +45,9 @@ from oomguard.strategies.units import format_mib
 # In-process rung changes per attempt, at most (each one excludes a plan, so the ladder ends
 # well before; this bounds it regardless).
 MAX_RECOVERIES = 32
+# Where an OOM leaves the training as it was before the step (nothing applied): the process may
+# go on. One in optimizer.step may have updated some weights: the last checkpoint stands.
+IN_PROCESS_PHASES = ("data", "forward", "backward")
 
 # Called after each optimizer step with the Training and the step count, before the step is
 # reported or checkpointed (jobs/run.py hooks in jobs/faults.py this way).
@@ -162,6 +165,8 @@ class AttemptRun:
         latest, weights = _newest_usable(self.checkpoints_dir, self.memory, self.say)
         self.memory.begin_step(latest.step if latest is not None else 0)
         if latest is not None:
+            # Where the attempt stands, should the plan not even fit while it is built.
+            self.progress.step = self.progress.last_checkpoint = latest.step
             # Nothing is built yet: any plan the job stepped down from in earlier attempts that
             # fits the room there is now is a step up without a restart.
             up = self.step_ups.at_start(latest.step, self.plan, self.memory.capacity())
@@ -267,10 +272,11 @@ class AttemptRun:
         free(training)
         leftover = unfit_to_continue(self.memory, training.resident_bytes())
         back = self.step_ups.after_oom(self.progress.step, training.plan, describe_oom(oom))
-        if back is not None and not back["restart"] and leftover is None:
-            self._change_plan(back)
-            return None
         if back is not None:
+            if not back["restart"] and leftover is None and oom.phase in IN_PROCESS_PHASES:
+                self._change_plan(back)
+                return None
+            back["restart"] = True  # half-updated weights, memory left behind, or a rung that needs it
             self._end_on_oom(oom)
             return self.replan(back)
         if self._recover_in_process(oom, leftover):
@@ -292,7 +298,7 @@ class AttemptRun:
         if leftover is not None:
             self.say(f"the failed step left {format_mib(leftover)} behind on the device: a new process must take over")
             return False
-        if oom.phase not in ("data", "forward", "backward") or not self.config.recover_in_process or len(self.recoveries) >= MAX_RECOVERIES:
+        if oom.phase not in IN_PROCESS_PHASES or not self.config.recover_in_process or len(self.recoveries) >= MAX_RECOVERIES:
             return False
         total = oom.memory.total if oom.memory else None
         recovery = decide_in_process(training.plan, self.measurements + _steady(self.records), self.job.policy(), total)

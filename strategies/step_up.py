@@ -30,8 +30,11 @@ from oomguard.strategies.units import format_bytes
 FIRST_BACK_OFF = 1
 MOST_BACK_OFF = 64
 # A plan stepped down from that is expected this much slower than the one running (or less) is
-# still gone back to: the measured speeds of two plans differ by this much from noise alone.
-SPEED_TOLERANCE = 0.05
+# still gone back to. Its speed was measured in another attempt, at another time: on this 2-core
+# machine beside another job the same plan's median samples/s differed by 17 % between two
+# measurements of one attempt (bench/contention_pairs.py, wide16: 34.7 and 42.0), and a plan
+# that is as fast as the other (offload on a CPU) must not stay down on such noise.
+SPEED_TOLERANCE = 0.2
 
 
 @dataclass(frozen=True)

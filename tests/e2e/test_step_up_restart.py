@@ -19,35 +19,25 @@ import torch
 from safetensors.torch import load_file
 
 from tests.e2e.conftest import oomguard
+from tests.jobs_helpers import TINY_JOB
 
 pytestmark = pytest.mark.slow
 
-# Emulated peaks of this job (measured): about 10.2 MiB under its own plan, 5.2 MiB with the
-# optimizer state in host memory (the state is 5 MiB of it). 8 MiB fits only the offloaded plan.
-JOB = """\
-name = "{name}"
-trainer = "unconditional"
-[data]
-source = "synthetic:16"
-resolution = 8
-[model]
-block_out_channels = [32, 64]
-layers_per_block = 1
-down_block_types = ["DownBlock2D", "DownBlock2D"]
-up_block_types = ["UpBlock2D", "UpBlock2D"]
-norm_num_groups = 8
-[train]
-batch_size = 4
-max_steps = 24
-learning_rate = 1e-3
-seed = 0
-checkpoint_every_steps = 2
-keep_checkpoints = 2
-[ladder]
-allow = ["{rung}"]
-# Two tries: a step up (or its way back) that cost one would leave none for the rest.
-max_attempts = 2
-"""
+# The tiny job with wide blocks at 8 px, so that its optimizer state weighs half its peak.
+# Emulated peaks (measured): about 10.2 MiB under its own plan, 5.2 MiB with the optimizer state
+# in host memory (the state is 5 MiB of it). 8 MiB fits only the offloaded plan.
+WIDE = {"block_out_channels = [8, 16]": "block_out_channels = [32, 64]", "resolution = 16": "resolution = 8", "norm_num_groups = 4": "norm_num_groups = 8"}
+
+
+def job_text(name: str, rung: str) -> str:
+    text = TINY_JOB.format(name=name, batch_size=4, max_steps=24, checkpoint_every_steps=2, keep_checkpoints=2)
+    for tiny, wide in WIDE.items():
+        assert tiny in text, tiny
+        text = text.replace(tiny, wide)
+    # Two tries: a step up (or its way back) that cost one would leave none for the rest.
+    return text + f'[ladder]\nallow = ["{rung}"]\nmax_attempts = 2\n'
+
+
 # A neighbour takes all but 8 MiB from step 5 to 9, and again from 11 (just after the first step
 # up, at 10) to 17.
 NEIGHBOUR = "64MiB,8MiB@5,64MiB@9,8MiB@11,64MiB@17"
@@ -55,7 +45,7 @@ NEIGHBOUR = "64MiB,8MiB@5,64MiB@9,8MiB@11,64MiB@17"
 
 def run(folder: Path, rung: str, *extra: str) -> dict[str, Any]:
     job = folder / "job.toml"
-    job.write_text(JOB.format(name=f"up-{rung}", rung=rung))
+    job.write_text(job_text(f"up-{rung}", rung))
     result = oomguard("run", str(job), "--workdir", str(folder / "work"), "--json", *extra, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)

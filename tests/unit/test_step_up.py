@@ -92,6 +92,6 @@ def test_the_wait_after_a_step_up_that_did_not_hold_doubles_up_to_a_bound() -> N
 
 def test_a_plan_stepped_down_from_is_gone_back_to_unless_it_is_measurably_slower() -> None:
     offloaded = FULL.replace(offload="optimizer")
-    for offloaded_rate, expected in ((195.0, FULL), (209.0, FULL), (215.0, None)):
+    for offloaded_rate, expected in ((195.0, FULL), (240.0, FULL), (255.0, None)):
         up = step_up(offloaded, [FULL], [*MEASURED, ran(offloaded, 60, samples_per_s=offloaded_rate)], capacity=500 * MiB)
         assert (up.plan if up is not None else None) == expected, offloaded_rate
