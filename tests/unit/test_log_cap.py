@@ -4,9 +4,11 @@ the last, the total on disk stays bounded; and what reads a long log reads it wh
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 from hypothesis import given, settings
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 
 from oomguard.daemon.cli.log_print import AttemptLog
 from oomguard.daemon.log_cap import MIN_LOG_LIMIT, CappedLog, check_limit, split_limit
-from oomguard.jobs.attempt import LOG, LOG_DROPPED, LOG_TAIL, LOG_TAIL_OLDER, read_log_end
+from oomguard.jobs.attempt import LOG, LOG_DROPPED, LOG_TAIL, LOG_TAIL_OLDER, AttemptFiles, read_log_end
 
 MARKER_START = b"oomguard: output.log reached "
 
@@ -193,6 +195,11 @@ def test_logs_prints_the_head_what_was_dropped_and_the_tail(tmp_path: Path) -> N
 
 
 def test_logs_follow_reads_on_across_renames_and_says_what_it_missed(tmp_path: Path) -> None:
+    assert_follows_across_renames(tmp_path)
+
+
+def assert_follows_across_renames(tmp_path: Path) -> None:
+    """`oomguard logs -f` on a log that grows: read after every write, then far behind."""
     written = stream(3000)
     out: list[str] = []
     reader = AttemptLog(tmp_path, out.append)
@@ -223,6 +230,120 @@ def test_logs_follow_reads_on_across_renames_and_says_what_it_missed(tmp_path: P
         # The writer's count also holds what this reader printed before it was dropped.
         assert json.loads((tmp_path / LOG_DROPPED).read_text())["dropped_bytes"] > missed
     reader.close()
+
+
+class LowestFreeInodes:
+    """os.open, os.stat and os.fstat as on a file system that gives a new file the lowest inode
+    number no file has, as ext4 often does: a file made after one was deleted may get its number
+    (in a full test run, with other workers making files, ext4 did so now and then). A file made
+    in ``folder`` keeps its number while a name there or an open descriptor holds it (the writer
+    and the reader are both in this process); other files keep theirs."""
+
+    def __init__(self, folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.folder = folder
+        self.reused = 0  # how many files got a number a deleted file had
+        self._numbers: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> the number shown
+        self._ever: set[int] = set()
+        self._real_open, self._real_stat, self._real_fstat = os.open, os.stat, os.fstat
+        monkeypatch.setattr(os, "open", self.open)
+        monkeypatch.setattr(os, "stat", lambda *args, **kwargs: self._shown(self._real_stat(*args, **kwargs)))
+        monkeypatch.setattr(os, "fstat", lambda descriptor: self._shown(self._real_fstat(descriptor)))
+
+    def open(self, path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        made = bool(flags & os.O_CREAT) and self._in_folder(path, dir_fd) and not self._exists(path, dir_fd)
+        descriptor = self._real_open(path, flags, mode, dir_fd=dir_fd)
+        if made:
+            self._number_new(self._real_fstat(descriptor))
+        return descriptor
+
+    def _number_new(self, st: os.stat_result) -> None:
+        alive = self._alive()
+        self._numbers = {key: number for key, number in self._numbers.items() if key in alive}
+        taken = set(self._numbers.values())
+        number = next(n for n in range(1, len(taken) + 2) if n not in taken)
+        self.reused += number in self._ever
+        self._ever.add(number)
+        self._numbers[(st.st_dev, st.st_ino)] = number
+
+    def _alive(self) -> set[tuple[int, int]]:
+        """The files a name in the folder or an open descriptor holds."""
+        found = [self._real_stat(path, follow_symlinks=False) for path in self.folder.iterdir()]
+        for name in os.listdir("/proc/self/fd"):
+            try:
+                found.append(self._real_fstat(int(name)))
+            except OSError as error:
+                if error.errno != errno.EBADF:
+                    raise  # EBADF: the listing's own descriptor, closed since
+        return {(st.st_dev, st.st_ino) for st in found}
+
+    def _shown(self, st: os.stat_result) -> os.stat_result:
+        number = self._numbers.get((st.st_dev, st.st_ino))
+        if number is None:
+            return st
+        fields, named = st.__reduce__()[1]
+        return os.stat_result((fields[0], number, *fields[2:]), named)
+
+    def _in_folder(self, path: str, dir_fd: int | None) -> bool:
+        if dir_fd is None:
+            return Path(path).parent == self.folder
+        folder, there = self._real_stat(self.folder), self._real_fstat(dir_fd)
+        return (folder.st_dev, folder.st_ino) == (there.st_dev, there.st_ino)
+
+    def _exists(self, path: str, dir_fd: int | None) -> bool:
+        try:
+            self._real_stat(path, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+
+def test_logs_follow_is_not_misled_by_a_new_tail_file_with_a_deleted_ones_inode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new output.tail.log may get the inode number of the output.tail.log.1 that the same
+    rotation deleted: the follower must not take it for that file, printed already."""
+    file_system = LowestFreeInodes(tmp_path, monkeypatch)
+    assert_follows_across_renames(tmp_path)
+    assert file_system.reused > 0
+
+
+@pytest.mark.parametrize(("moment", "name", "missed"), [("after", LOG_TAIL_OLDER, 2000), ("before", LOG_TAIL, 0)])
+def test_logs_reads_on_in_order_across_a_rotation_while_it_opens_the_tail_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str, name: str, missed: int
+) -> None:
+    """`oomguard logs` while the writer rotates once: just after output.tail.log.1 was opened
+    (that file is dropped before it is printed: it is said to be missing, as no file holds it),
+    or after .1 was printed and before output.tail.log is opened (the segment renamed to .1
+    meanwhile is printed before the new output.tail.log). Either way all the output is there,
+    printed or said to be missing, in order, and nothing printed is said to be missing."""
+    written = stream(3000)
+    out: list[str] = []
+    with CappedLog(tmp_path, 1000, 4000) as log:
+        log.write(written[:10_000])
+        assert 0 < log.tail_size < 2000  # so that the 2000 bytes written below rotate once
+        kept = len(split_head((tmp_path / LOG).read_bytes())[0])
+        dropped = json.loads((tmp_path / LOG_DROPPED).read_text())["dropped_bytes"]
+        real_open = AttemptFiles.open
+        rotated: list[bool] = []
+
+        def rotate_once(at: str, opening: str) -> None:
+            if (at, opening) == (moment, name) and not rotated:
+                rotated.append(True)
+                log.write(written[10_000:12_000])
+
+        def open_and_rotate(files: AttemptFiles, opening: str) -> BinaryIO:
+            rotate_once("before", opening)
+            handle = real_open(files, opening)
+            rotate_once("after", opening)
+            return handle
+
+        monkeypatch.setattr(AttemptFiles, "open", open_and_rotate)
+        reader = AttemptLog(tmp_path, out.append)
+        reader.print_new()
+        reader.close()
+    assert "".join(out) == (
+        (tmp_path / LOG).read_text()
+        + f"oomguard logs: {dropped + missed} bytes of output were dropped here (a long log keeps only its first and last bytes)\n"
+        + written[kept + dropped + missed : 12_000].decode()
+    )
 
 
 # The launchers pass the cap on ------------------------------------------------------------------
