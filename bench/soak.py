@@ -6,7 +6,8 @@ One real daemon (``--emulate-gpus``, a short ``--forget-after`` and ``--log-limi
 housekeeping acts many times within the run) takes short built-in jobs for ``--minutes``, while:
 
 - jobs arrive in batches through ``oomguard submit`` (batch sizes and lengths drawn at random,
-  some too big for a GPU's whole batch: they step down the ladder);
+  some too big for a GPU's whole batch: they step down the ladder; some run for minutes, so that
+  a neighbour there when they started leaves while they train: they step back up);
 - neighbours (``oomguard neighbour``) arrive on a random GPU, hold memory a while and leave:
   jobs wait, step down, and step back up;
 - the daemon is killed with SIGKILL every ``--kill-every`` seconds and started again: it adopts
@@ -71,9 +72,17 @@ batch_size = {batch_size}
 max_steps = {max_steps}
 learning_rate = 1e-3
 seed = {seed}
-checkpoint_every_steps = 4
+checkpoint_every_steps = {checkpoint_every}
 keep_checkpoints = 2
 """
+# A share of the jobs run for minutes (a few thousand steps of this tiny model), long enough for
+# a neighbour that was there when they started to leave while they train: they step back up.
+# They say what they need (resources.memory), so they start beside a neighbour (a job whose need
+# is unknown waits for a GPU 90 % free), where the probe starts them at micro-batch 4.
+LONG_SHARE = 0.15
+LONG_STEPS = (2000, 4000)
+LONG_CHECKPOINT_EVERY = 50
+LONG_RESOURCES = '[resources]\nmemory = "3MiB"\n'
 
 
 def log(text: str) -> None:
@@ -159,7 +168,10 @@ class Box:
             name = f"soak-{n:04d}"
             workdir = f'workdir = "{self.disk / name}"' if self.disk is not None else ""
             path = folder / f"{name}.toml"
-            path.write_text(JOB.format(name=name, workdir=workdir, batch_size=rng.choice([8, 8, 16]), max_steps=rng.randint(12, 40), seed=n))
+            long = rng.random() < LONG_SHARE
+            steps, every = (rng.randint(*LONG_STEPS), LONG_CHECKPOINT_EVERY) if long else (rng.randint(12, 40), 4)
+            text = JOB.format(name=name, workdir=workdir, batch_size=rng.choice([8, 8, 16]), max_steps=steps, seed=n, checkpoint_every=every)
+            path.write_text(text + (LONG_RESOURCES if long else ""))
             files.append(str(path))
         done = subprocess.run([OOMGUARD, "--state-dir", str(self.state), "submit", *files, "--wait", "60"], capture_output=True, text=True, timeout=600)
         ids = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("job ") and line.endswith(" queued")]

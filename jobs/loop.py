@@ -37,7 +37,7 @@ from oomguard.jobs.trainers.base import Trainer
 from oomguard.jobs.training import StepResult, Training, build_training, free, one_step, oom_measurement, unfit_to_continue
 from oomguard.strategies.contention import find_contention
 from oomguard.strategies.doctor import decide_in_process, describe_oom
-from oomguard.strategies.memory_model import Measurement
+from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.units import format_mib
@@ -195,7 +195,13 @@ class AttemptRun:
         probed = run_probe(self.trainer, self.job, self.plan, self.device, self.memory, self.control, self.say)
         self.measurements.extend(probed.measurements)
         if probed.plan != self.plan:
-            self.recoveries.append({"step": 0, "from": self.plan.to_dict(), "to": probed.plan.to_dict(), "reason": probed.reason})
+            # Left for lack of room (the job's own plan does not fit, or may not), or only because
+            # another plan is faster: then it is not a plan to step back up to.
+            capacity = self.memory.capacity()
+            for_room = capacity is None or MemoryModel(probed.measurements).fits(self.plan, capacity) is not True
+            self.recoveries.append(
+                {"step": 0, "from": self.plan.to_dict(), "to": probed.plan.to_dict(), "reason": probed.reason, "for_room": for_room}
+            )
         self.plan = probed.plan
         self.say(probed.reason)
         return probed.failure

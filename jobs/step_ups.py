@@ -7,9 +7,9 @@ Each change is a record of the attempt's ``recoveries`` (what the heartbeat and 
 carry, and the daemon reports as events), with a ``direction``: "up" for a step up, "back" for
 its failure, and ``restart`` when it takes a new process (the runner then ends the attempt as
 "replan": jobs/loop.py). The plans a process may step up to are the ones the job stepped down
-from: in earlier attempts (the StepUpHistory its attempt.json carries) and in this one (every
-record's "from" but a step's up or back; the probe's first plan included: a neighbour that was
-there when the job started may leave)."""
+from for lack of room: in earlier attempts (the StepUpHistory its attempt.json carries) and in
+this one (every record's "from" but a step's up or back; the probe's first plan included when
+it did not fit: a neighbour that was there when the job started may leave)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.step_up import BackOff, in_process_reach, step_up
-from oomguard.strategies.step_up_history import BACK, UP, StepUpHistory
+from oomguard.strategies.step_up_history import BACK, UP, StepUpHistory, left_for_room
 
 
 class StepUps:
@@ -70,7 +70,7 @@ class StepUps:
         if not self.back_off.ready():
             return None
         earlier = self.history
-        above = [*(earlier.above if earlier else ()), *(Plan.from_dict(change["from"]) for change in recoveries if change.get("direction") not in (UP, BACK))]
+        above = [*(earlier.above if earlier else ()), *(Plan.from_dict(change["from"]) for change in recoveries if left_for_room(change))]
         known = [*(earlier.measurements if earlier else ()), *measurements]
         found = step_up(plan, above, known, capacity, origin=earlier.origin if earlier else None)
         if found is None:

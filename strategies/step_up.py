@@ -29,14 +29,6 @@ from oomguard.strategies.units import format_bytes
 # How many checkpoint boundaries the first wait after a failed step up lasts, and the most.
 FIRST_BACK_OFF = 1
 MOST_BACK_OFF = 64
-# A plan stepped down from that is expected this much slower than the one running (or less) is
-# still gone back to. Its speed was measured in another attempt, at another time: on this 2-core
-# machine beside another job the same plan's median samples/s differed by 17 % between two
-# measurements of one attempt (bench/contention_pairs.py, wide16: 34.7 and 42.0), and a plan
-# that is as fast as the other (offload on a CPU) must not stay down on such noise.
-SPEED_TOLERANCE = 0.2
-
-
 @dataclass(frozen=True)
 class StepUp:
     plan: Plan
@@ -56,7 +48,7 @@ def step_up(
 ) -> StepUp | None:
     """The plan to step back up to now, of ``above`` (the plans the job stepped down from), or
     None: none fits ``capacity`` by the measurements (with the memory model's margins), none is
-    more faithful or faster than ``current``, or the room is not known. ``origin``: the job's
+    as faithful as ``current`` (exact before approximate), or the room is not known. ``origin``: the job's
     own plan, against which a plan's faithfulness is judged (exact before approximate)."""
     if capacity is None:
         return None
@@ -69,7 +61,7 @@ def step_up(
         return None
     model = MemoryModel(measurements)
     choice = planner.choose(origin, candidates, model, capacity)
-    if choice is None or not _preferred(model, origin, choice.plan, current):
+    if choice is None or not _preferred(origin, choice.plan, current):
         return None
     peak = f"its peak {format_bytes(int(choice.predicted_peak))}" if choice.predicted_peak is not None else "it"
     speed = f" (~{choice.expected_samples_per_s:.1f} samples/s)" if choice.expected_samples_per_s is not None else ""
@@ -82,17 +74,14 @@ def step_up(
     )
 
 
-def _preferred(model: MemoryModel, origin: Plan, candidate: Plan, current: Plan) -> bool:
+def _preferred(origin: Plan, candidate: Plan, current: Plan) -> bool:
     """Whether a plan the job stepped down from is worth going back to from ``current``: it is
-    more faithful, or as faithful and not measurably slower (the job chose it, and the rung it
-    took instead was for lack of room; timings on a busy machine differ by a few per cent)."""
-    candidate_rank, current_rank = planner.faithfulness(origin, candidate), planner.faithfulness(origin, current)
-    if candidate_rank != current_rank:
-        return candidate_rank < current_rank
-    candidate_speed, current_speed = model.expected_samples_per_s(candidate), model.expected_samples_per_s(current)
-    if candidate_speed is None or current_speed is None:
-        return True
-    return candidate_speed >= (1 - SPEED_TOLERANCE) * current_speed
+    at least as faithful. Its speed is not weighed against the current plan's: it was left for
+    lack of room (a plan that needs more memory for the same work is the faster one: that is
+    what the rungs trade), and speeds measured at different times on a busy box differ by more
+    than the plans do (one plan's median samples/s moved by 17 % between two measurements in one
+    attempt beside another job, bench/contention_pairs.py); speed ranks the candidates."""
+    return planner.faithfulness(origin, candidate) <= planner.faithfulness(origin, current)
 
 
 def approximate_rungs(origin: Plan, plan: Plan) -> list[str]:

@@ -47,7 +47,7 @@ class StepUpHistory:
 
     # The job's own plan: faithfulness is judged against it (exact before approximate).
     origin: Plan
-    # The plans the job stepped down from, the job's own first.
+    # The plans the job stepped down from for lack of room, in the order it left them.
     above: tuple[Plan, ...] = ()
     measurements: tuple[Measurement, ...] = ()
     # The plan the attempt before stepped up from (it ended "replan" to step up): this attempt
@@ -86,7 +86,7 @@ def step_up_history(history: Sequence[PastAttempt], policy: Policy, plan: Plan) 
 
     origin = policy.initial or (history[0].plan if history else plan)
     unsafe = set(unsafe_rungs(history, policy))
-    above = [origin, *(p for past in history for p in stepped_down_from(past))]
+    above = [p for past in history for p in stepped_down_from(past)]
     # A plan under which the loss diverged is never gone back to.
     safe = [p for p in dict.fromkeys(above) if not unsafe.intersection(rungs_between(origin, p))]
     last = history[-1] if history else None
@@ -100,13 +100,19 @@ def step_up_history(history: Sequence[PastAttempt], policy: Policy, plan: Plan) 
 
 
 def stepped_down_from(past: PastAttempt) -> list[Plan]:
-    """The plans an attempt left for a slower one: the ones its runner recovered from (the
-    probe's first included; not a step up's, nor the plan a failed one went back from), and its
-    own when it ended out of memory (the doctor then chose the next)."""
-    plans = [Plan.from_dict(change["from"]) for change in past.outcome.recoveries if change.get("direction") not in (UP, BACK)]
+    """The plans an attempt left for lack of room: the ones its runner recovered from (the
+    probe's first included, unless the probe left it only for a faster one; not a step up's, nor
+    the plan a failed one went back from), and its own when it ended out of memory (the doctor
+    then chose the next)."""
+    plans = [Plan.from_dict(change["from"]) for change in past.outcome.recoveries if left_for_room(change)]
     if past.outcome.kind == "oom":
         plans.append(past.plan)
     return plans
+
+
+def left_for_room(change: dict[str, Any]) -> bool:
+    """Whether a recoveries record (jobs/step_ups.py) left its "from" plan for lack of room."""
+    return change.get("direction") not in (UP, BACK) and change.get("for_room") is not False
 
 
 def replanned_up_from(recoveries: Sequence[dict[str, Any]]) -> Plan | None:

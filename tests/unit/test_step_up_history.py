@@ -41,6 +41,10 @@ def test_a_new_attempt_is_told_what_it_stepped_down_from_and_what_was_measured()
     first = PastAttempt(HALF, Outcome(kind="oom", step=5, plan=HALF, measurements=(ran(OWN, 100), ran(HALF, 60)), recoveries=(probe,)))
     known = step_up_history([first, up(OFFLOADED, HALF, 10, 5)], POLICY, HALF)
     assert known.origin == OWN and known.above == (OWN, HALF)
+    # A probe that left the job's own plan only for a faster one: not a plan to step back up to.
+    faster = {**probe, "for_room": False}
+    only_faster = PastAttempt(HALF, Outcome(kind="interrupted", step=5, plan=HALF, recoveries=(faster,)))
+    assert step_up_history([only_faster], POLICY, HALF).above == ()
     assert known.measurements == (ran(OWN, 100), ran(HALF, 60))
     assert known.trial_from == OFFLOADED and known.failures == 0
     assert StepUpHistory.from_dict(known.to_dict()) == known
@@ -48,8 +52,8 @@ def test_a_new_attempt_is_told_what_it_stepped_down_from_and_what_was_measured()
 
 def test_a_plan_the_loss_diverged_under_is_never_gone_back_to() -> None:
     diverged = PastAttempt(EIGHT_BIT, Outcome(kind="diverged", step=7, plan=EIGHT_BIT))
-    known = step_up_history([oom(5, EIGHT_BIT), diverged], POLICY, OFFLOADED)
-    assert EIGHT_BIT not in known.above and OWN in known.above
+    known = step_up_history([oom(3, OWN), oom(5, EIGHT_BIT), diverged], POLICY, OFFLOADED)
+    assert known.above == (OWN,)
 
 
 def test_the_step_ups_that_failed_count_in_every_attempt() -> None:
