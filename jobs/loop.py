@@ -195,10 +195,11 @@ class AttemptRun:
         probed = run_probe(self.trainer, self.job, self.plan, self.device, self.memory, self.control, self.say)
         self.measurements.extend(probed.measurements)
         if probed.plan != self.plan:
-            # Left for lack of room (the job's own plan does not fit, or may not), or only because
-            # another plan is faster: then it is not a plan to step back up to.
+            # Left for lack of room (what the probe measured says the job's own plan does not fit),
+            # or only because another plan is faster, or for want of a measurement: then it is not
+            # a plan to step back up to (at the same room it would be a step into the unknown).
             capacity = self.memory.capacity()
-            for_room = capacity is None or MemoryModel(probed.measurements).fits(self.plan, capacity) is not True
+            for_room = capacity is not None and MemoryModel(probed.measurements).fits(self.plan, capacity) is False
             self.recoveries.append(
                 {"step": 0, "from": self.plan.to_dict(), "to": probed.plan.to_dict(), "reason": probed.reason, "for_room": for_room}
             )

@@ -303,6 +303,24 @@ def test_a_job_steps_back_up_when_the_room_returns_and_back_down_when_it_does_no
 
 
 @pytest.mark.slow
+def test_a_job_that_started_beside_a_neighbour_steps_up_to_its_own_plan_when_it_leaves(
+    tmp_path, baseline_weights, measured_full, micro_batch_3
+):
+    """The device is short from the start (a neighbour was there): the probe starts below the
+    job's own plan, which the measurements say does not fit, and records that it left it for lack
+    of room. The neighbour leaves at step 3: at the boundary at 4 the job is back on its own plan."""
+    cap = cap_between_micro_batch_4_and_8(measured_full, micro_batch_3)
+    workdir = tmp_path / "work"
+    result = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=f"{cap}B,{HUGE_CAP}@3", probe=True))
+    outcome = assert_finished(result)
+    probed, up = outcome.recoveries
+    assert probed["step"] == 0 and probed["from"]["micro_batch"] == 8 and probed["for_room"] is True
+    assert up["direction"] == "up" and up["step"] == 4 and up["to"] == probed["from"] and not up["restart"]
+    assert outcome.plan == Plan.initial(8)
+    assert_weights_allclose(load_final(workdir), baseline_weights)
+
+
+@pytest.mark.slow
 def test_probe_starts_at_the_micro_batch_that_fits_and_finishes_without_an_oom(tmp_path, measured_full, micro_batch_3):
     full_peak = steady_peak(measured_full[0])
     mb3_peak = steady_peak(micro_batch_3[0])
