@@ -39,7 +39,7 @@ from oomguard.strategies import rungs
 from oomguard.strategies.decision import Retry
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.step_up_history import LAUNCH_STEP_UP_RUNG
+from oomguard.strategies.step_up_history import BACK, LAUNCH_STEP_UP_RUNG, UP
 from oomguard.strategies.planner import describe_change
 from oomguard.strategies.units import format_duration_words
 from oomguard.strategies.errors import LaunchFailed, PermissionRefused
@@ -148,7 +148,9 @@ class Attempts:
         earlier = self.store.attempts(job.id)
         number = len(earlier) + 1
         # A command job may step back up here; a built-in job's runner is told how to itself.
-        launch = launch_plan(job, spec, earlier, placement, self.gpus.latest if self.gpus is not None else None)
+        launch = launch_plan(
+            job, spec, earlier, placement, self.gpus.latest if self.gpus is not None else None, restarts=not self.launcher.queues_attempts,
+        )
         plan = launch.plan
         # Absolute: the shim starts in / (a --state-dir given as a relative path makes relative workdirs).
         workdir = Path(os.path.abspath(job.workdir))
@@ -405,9 +407,9 @@ class Attempts:
                 what += change["reason"]
             # A step back up (jobs/step_ups.py) is an event of its own kind; its failure, like
             # any step down, an escalation.
-            up = change.get("direction") == "up"
+            up = change.get("direction") == UP
             self.events.event(
-                job, "stepped-up" if up else "escalated", what, code="step_up" if up else "step_up_failed" if change.get("direction") == "back" else "in_runner",
+                job, "stepped-up" if up else "escalated", what, code="step_up" if up else "step_up_failed" if change.get("direction") == BACK else "in_runner",
                 data={"step": change["step"], "from": old.short(), "to": new.short()},
                 next_step=None if up else f"the {'next attempt' if change.get('restart') else 'attempt'} goes on under [{new.short()}] in "
                 f"{'a new' if change.get('restart') else 'the same'} process",

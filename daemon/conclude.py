@@ -37,6 +37,8 @@ def conclude(
     outcome = _reported(job, files, ended)
     if outcome is not None and outcome.kind == "cancelled":
         outcome = dataclasses.replace(outcome, kind="crashed", message="reported 'cancelled', which a runner does not report")
+    if outcome is not None and outcome.kind == "replan" and _command_of(job) is not None:
+        outcome = dataclasses.replace(outcome, kind="crashed", next_plan=None, message="reported 'replan', which only oomguard's own runner reports")
     if ended.scheduler is not None and ended.scheduler.state is not None:
         outcome = with_scheduler_end(attempt, files, ended.scheduler, outcome)
     never_started = attempt.pid is None and attempt.scheduler_id is None
@@ -53,6 +55,15 @@ def conclude(
     return disk_full_of(outcome, job)
 
 
+def _command_of(job: JobRow) -> Any:
+    """The job's [command] (None: a built-in job, or one stored by an older oomguard whose spec
+    no longer loads, which will not run again anyway)."""
+    try:
+        return job.spec.command
+    except Exception:  # noqa: BLE001 - a job stored by an older oomguard whose spec no longer loads
+        return None
+
+
 def disk_full_of(outcome: Outcome, job: JobRow) -> Outcome:
     """A crash that a full disk caused ("No space left on device", "Disk quota exceeded" in the
     error it died of, or anywhere in its last chain of tracebacks: a script that caught the
@@ -66,10 +77,7 @@ def disk_full_of(outcome: Outcome, job: JobRow) -> Outcome:
     if not (DISK_FULL_TEXT.search(error) or DISK_FULL_TEXT.search(chain)):
         return outcome
     named = named_path(error) or named_path(chain)
-    try:
-        command = job.spec.command
-    except Exception:  # noqa: BLE001 - a job stored by an older oomguard whose spec no longer loads
-        command = None
+    command = _command_of(job)
     runs_in = Path(command.cwd) if command is not None and command.cwd else Path(job.workdir)
     path = str(runs_in / named) if named else job.workdir  # an absolute name stays as it is
     return dataclasses.replace(

@@ -36,6 +36,7 @@ from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.units import format_bytes
 from oomguard.strategies.errors import ReportError
+from oomguard.strategies.step_up_history import BACK, UP
 
 
 def load_report(job: JobRow, attempts: list[AttemptRow], events: list[EventRow]) -> ReportData:
@@ -190,7 +191,8 @@ def _oom_markers(attempt: AttemptSeries, outcome: dict[str, Any] | None, recover
     failed = [m for m in outcome.get("measurements") or [] if isinstance(m, dict) and not m.get("fits", True)]
     if attempt.outcome_kind == "oom" and failed:
         failed = failed[:-1]
-    in_process = [r for r in recoveries if not str(r.get("reason", "")).startswith("probe")]
+    # The records of an OOM the runner lived through (a step up's is none; its failure's is).
+    in_process = [r for r in recoveries if not str(r.get("reason", "")).startswith("probe") and r.get("direction") != UP]
     if failed:
         probe_count = max(0, len(failed) - len(in_process))
         for index, measurement in enumerate(failed):
@@ -230,7 +232,7 @@ def _runner_rungs(attempt: AttemptSeries, recoveries: list[dict[str, Any]]) -> l
         time = attempt.started_at if probe else _time_of_step(attempt, step)
         to = _plan_text(recovery.get("to"))
         # A step back up (jobs/step_ups.py) and its failure read as what they are on the plot.
-        how = "probe" if probe else {"up": "stepped up", "back": "step up failed"}.get(str(recovery.get("direction")), "in-process")
+        how = "probe" if probe else {UP: "stepped up", BACK: "step up failed"}.get(str(recovery.get("direction")), "in-process")
         markers.append(RungMarker(time, attempt.number, "runner", f"{how} -> [{to}]"))
     return markers
 

@@ -28,15 +28,19 @@ class LaunchPlan:
     history: StepUpHistory | None = None
 
 
-def launch_plan(job: JobRow, spec: JobSpec, attempts: Sequence[AttemptRow], placement: Placement, gpus: Sequence[GpuState] | None) -> LaunchPlan:
+def launch_plan(
+    job: JobRow, spec: JobSpec, attempts: Sequence[AttemptRow], placement: Placement, gpus: Sequence[GpuState] | None, *, restarts: bool = True,
+) -> LaunchPlan:
     """The plan the job's next attempt starts under, placed on ``placement`` (``gpus``: what
-    the cards held when it was placed; None without GPUs to place by)."""
+    the cards held when it was placed; None without GPUs to place by). ``restarts``: whether a
+    built-in job's runner may end its attempt to step up in a new process (not where each
+    attempt waits in a batch scheduler's queue)."""
     history = past_attempts(attempts)
     plan = job.plan
     if not history:
         return LaunchPlan(plan)
     if spec.command is None:
-        return LaunchPlan(plan, history=step_up_history(history, spec.policy(), plan))
+        return LaunchPlan(plan, history=step_up_history(history, spec.policy(), plan, restarts=restarts))
     if spec.resources.share:
         return LaunchPlan(plan)  # the free memory of a shared GPU is its other jobs' to take too
     room = room_on(placement, gpus, resumes_at=history[-1].outcome.step)

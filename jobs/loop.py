@@ -91,6 +91,8 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
         # the doctor, not a crash to retry unchanged (or the way back from that step up).
         oom = run.oom_outcome(error)
         back = run.step_ups.after_oom(run.progress.step, run.current_plan(), describe_oom(oom))
+        if back is not None:
+            back["restart"] = True  # nothing of this process can go on
         return run.ended(run.replan(back) if back is not None else oom)
     except (DiskFull, OSError) as error:
         # A full disk is not a crash: the attempt ends so that the job waits for room, and goes
@@ -99,7 +101,9 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
             raise
         full = error if isinstance(error, DiskFull) else unplanned_disk_full(error, attempt_dir, run.checkpoints_dir)
         run.say(f"disk full: {full}")
-        return run.ended(disk_full_outcome(full, run.progress.step))
+        ended = run.ended(disk_full_outcome(full, run.progress.step))
+        # Full while keeping the steps before a replan: the job waits under the plan it goes to.
+        return dataclasses.replace(ended, plan=run.replanned_to) if run.replanned_to is not None else ended
     finally:
         run.memory.withdraw()
         metrics.close()
@@ -130,7 +134,9 @@ class AttemptRun:
         self.checkpoints_dir = config.workdir / "checkpoints"
         self.last_checkpoint_time = 0.0
         self.steps_in_process = 0
-        self.step_ups = StepUps(config.step_up, in_process=config.recover_in_process)
+        self.step_ups = StepUps(config.step_up, origin=self.job.initial_plan(), in_process=config.recover_in_process)
+        # The plan a replan goes on under, once recorded (jobs/step_ups.py).
+        self.replanned_to: Plan | None = None
 
     def say(self, text: str) -> None:
         print(text, flush=True)
@@ -284,8 +290,7 @@ class AttemptRun:
                 self._change_plan(back)
                 return None
             back["restart"] = True  # half-updated weights, memory left behind, or a rung that needs it
-            self._end_on_oom(oom)
-            return self.replan(back)
+            return self.replan(back, after=oom)
         if self._recover_in_process(oom, leftover):
             return None
         return self._end_on_oom(oom)
@@ -319,10 +324,15 @@ class AttemptRun:
         training.apply(recovery.plan)
         return True
 
-    def replan(self, change: dict[str, Any]) -> Outcome:
+    def replan(self, change: dict[str, Any], after: Outcome | None = None) -> Outcome:
         """End the attempt for a new process to go on under ``change``'s plan (a step up, or the
-        way back from one, that needs a restart), from the newest checkpoint."""
+        way back from one, that needs a restart), from the newest checkpoint: after ``after``,
+        the OOM it answers, the steps since the last checkpoint are kept first (recorded before:
+        a full disk then ends the attempt waiting for room, under the plan it goes to)."""
         self.recoveries.append(change)
+        self.replanned_to = Plan.from_dict(change["to"])
+        if after is not None:
+            self._end_on_oom(after)
         what = f"{change['oom']}; {change['reason']}" if isinstance(change.get("oom"), str) else change["reason"]
         self.say(f"at step {change['step']}: {what}")
         return Outcome(kind="replan", step=self.progress.step, next_plan=Plan.from_dict(change["to"]), message=what)
@@ -360,11 +370,10 @@ class AttemptRun:
         if (due_by_steps or due_by_time) and self.progress.step < train.max_steps:
             self.save_checkpoint()
             self.last_checkpoint_time = time.monotonic()
-            up = None
-            if len(self.recoveries) < MAX_RECOVERIES:
-                up = self.step_ups.at_checkpoint(
-                    self.progress.step, training.plan, self.recoveries, self.measurements + _steady(self.records), self.memory.capacity(),
-                )
+            up = self.step_ups.at_checkpoint(
+                self.progress.step, training.plan, self.recoveries, self.measurements + _steady(self.records), self.memory.capacity(),
+                may_step=len(self.recoveries) < MAX_RECOVERIES,
+            )
             if up is not None:
                 if up["restart"]:
                     return self.replan(up)

@@ -23,8 +23,10 @@ from oomguard.strategies.step_up_history import BACK, UP, StepUpHistory, left_fo
 
 
 class StepUps:
-    def __init__(self, history: StepUpHistory | None = None, *, in_process: bool = True) -> None:
+    def __init__(self, history: StepUpHistory | None = None, *, origin: Plan | None = None, in_process: bool = True) -> None:
         self.history = history
+        # The job's own plan, against which faithfulness is judged (None: the plan running).
+        self.origin = history.origin if history is not None else origin
         # False: the job takes every rung in a new attempt ([ladder] in_process = false).
         self.in_process = in_process
         self.back_off = history.back_off() if history is not None else BackOff()
@@ -36,16 +38,20 @@ class StepUps:
         """Resuming from the checkpoint at ``step``, before anything is built: the step up to
         take now (any plan: nothing needs a restart yet), as a recoveries record. Not while a
         step up made by the attempt before is on trial."""
-        if self.history is None or self.on_trial_from is not None:
-            return None
-        return self._step_up(step, plan, (), (), capacity, restart_possible=False)
+        if self.history is None or self.on_trial_from is not None or self.back_off.waiting():
+            return None  # a wait after a step up that failed counts in boundaries, not starts
+        return self._step_up(step, plan, (), (), capacity, at_start=True)
 
     def at_checkpoint(
         self, step: int, plan: Plan, recoveries: Sequence[dict[str, Any]], measurements: Sequence[Measurement], capacity: int | None,
+        *, may_step: bool = True,
     ) -> dict[str, Any] | None:
         """Just after a checkpoint at ``step``: the step up to take now, as a recoveries record
-        (``restart``: the attempt ends for a new process to take it)."""
+        (``restart``: the attempt ends for a new process to take it). ``may_step``: False when
+        the attempt has changed plans too often already (the boundary still counts)."""
         self.on_trial_from = None  # a plan stepped up to that reached this checkpoint has held
+        if not may_step:
+            return None
         return self._step_up(step, plan, recoveries, measurements, capacity)
 
     def after_oom(self, step: int, plan: Plan, oom: str) -> dict[str, Any] | None:
@@ -65,18 +71,20 @@ class StepUps:
 
     def _step_up(
         self, step: int, plan: Plan, recoveries: Sequence[dict[str, Any]], measurements: Sequence[Measurement], capacity: int | None,
-        *, restart_possible: bool = True,
+        *, at_start: bool = False,
     ) -> dict[str, Any] | None:
         if not self.back_off.ready():
             return None
         earlier = self.history
         above = [*(earlier.above if earlier else ()), *(Plan.from_dict(change["from"]) for change in recoveries if left_for_room(change))]
+        if not at_start and earlier is not None and not earlier.restarts:
+            above = [other for other in above if not self.needs_restart(plan, other)]  # none through a restart here
         known = [*(earlier.measurements if earlier else ()), *measurements]
-        found = step_up(plan, above, known, capacity, origin=earlier.origin if earlier else None)
+        found = step_up(plan, above, known, capacity, origin=self.origin)
         if found is None:
             return None
         self.on_trial_from = plan
-        restart = restart_possible and self.needs_restart(plan, found.plan)
+        restart = not at_start and self.needs_restart(plan, found.plan)  # at the start nothing is built yet
         return {
             "step": step, "from": plan.to_dict(), "to": found.plan.to_dict(), "direction": UP, "restart": restart,
             "reason": found.reason + (f"; a new process resumes from the checkpoint at step {step} under it" if restart else ""),

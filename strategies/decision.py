@@ -5,10 +5,12 @@ past attempts it decides from. The daemon's lifecycle applies them; the doctor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.policy import Policy
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,11 @@ class PastAttempt:
     # Launched under a faster plan than the attempt before it ended with (a command job's step
     # up at a relaunch: strategies/step_up_history.py).
     stepped_up: bool = False
+
+
+def own_plan(policy: Policy, history: Sequence[PastAttempt], plan: Plan) -> Plan:
+    """The job's own plan: its file's, else its first attempt's, else ``plan``."""
+    return policy.initial or (history[0].plan if history else plan)
 
 
 @dataclass(frozen=True)

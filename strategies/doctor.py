@@ -18,13 +18,13 @@ from collections.abc import Sequence
 from oomguard.strategies import planner, rungs
 from oomguard.strategies.contention import Contention, bytes_to_wait_for, find_contention
 from oomguard.strategies.doctor_cluster import after_time_limit, continues, more_host_memory
-from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait
+from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait, own_plan
 from oomguard.strategies.doctor_disk import after_disk_full
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.oom_judge import is_fragmentation
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.planner import candidate_plans, rungs_between
+from oomguard.strategies.planner import candidate_plans, rungs_between, with_process_settings
 from oomguard.strategies.policy import Policy
 from oomguard.strategies.step_up_history import after_failed_launch_step_up, after_replan, failed_launch_step_up, free_replan
 from oomguard.strategies.units import format_bytes
@@ -251,11 +251,7 @@ def _origin(plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Plan:
     """The job's own plan (nothing saved) with the process settings (the allocator) now in
     force: the planner searches everything reachable from it, so it may also undo a rung (but
     never a cure for fragmentation, which it does not weigh)."""
-    origin = policy.initial or (history[0].plan if history else plan)
-    for rung in rungs.ladder():
-        if rung.role == "process":
-            origin = rung.set(origin, rung.get(plan))
-    return origin
+    return with_process_settings(own_plan(policy, history, plan), plan)
 
 
 # A smaller micro-batch whose steady peak is at least this share of the larger one's did not

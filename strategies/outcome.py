@@ -70,6 +70,15 @@ class MemoryFigures:
     others_at_oom: int | None = None
 
     @property
+    def room(self) -> int | None:
+        """The device memory the process could have had: what was free and what it held itself
+        (reserved), within the total; None where unknown. Less than the total when other
+        processes held some: a script's OOM names the card's total as its capacity."""
+        if self.free is None or self.reserved is None:
+            return None
+        return min(self.free + self.reserved, self.total) if self.total is not None else self.free + self.reserved
+
+    @property
     def reserved_unallocated(self) -> int | None:
         if self.reserved is None or self.allocated is None:
             return None
@@ -291,6 +300,7 @@ def _check_types(data: dict[str, Any]) -> None:
         if items is not None and (not isinstance(items, (list, tuple)) or not all(isinstance(item, dict) for item in items)):
             raise TypeError(f"{key} must be a list of objects")
     _check_plan(data.get("plan"), "plan")
+    _check_plan(data.get("next_plan"), "next_plan")
     for number, measurement in enumerate(data.get("measurements") or (), 1):
         _check_plan(measurement.get("plan"), f"measurements[{number}].plan")
 

@@ -38,6 +38,15 @@ def rungs_between(old: Plan, new: Plan) -> tuple[str, ...]:
     return tuple(r.name for r in rungs.ladder() if r.get(old) != r.get(new))
 
 
+def with_process_settings(plan: Plan, source: Plan) -> Plan:
+    """``plan`` with ``source``'s process settings (the process rungs: the allocator), which a
+    change of plan keeps (a cure for fragmentation is never undone by the planner)."""
+    for rung in rungs.ladder():
+        if rung.role == "process":
+            plan = rung.set(plan, rung.get(source))
+    return plan
+
+
 def describe_change(old: Plan, new: Plan) -> str:
     """What changed from ``old`` to ``new``, in words, rung by rung (ladder order)."""
     return "; ".join(r.describe(old, new) for r in rungs.ladder() if r.get(old) != r.get(new))

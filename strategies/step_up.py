@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from oomguard.strategies import planner, rungs
+from oomguard.strategies.planner import with_process_settings
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.units import format_bytes
@@ -47,21 +48,21 @@ def step_up(
     current: Plan, above: Sequence[Plan], measurements: Sequence[Measurement], capacity: int | None, *, origin: Plan | None = None,
 ) -> StepUp | None:
     """The plan to step back up to now, of ``above`` (the plans the job stepped down from), or
-    None: none fits ``capacity`` by the measurements (with the memory model's margins), none is
-    as faithful as ``current`` (exact before approximate), or the room is not known. ``origin``: the job's
+    None: none that is above ``current`` (is_above) fits ``capacity`` by the measurements (with
+    the memory model's margins), or the room is not known. ``origin``: the job's
     own plan, against which a plan's faithfulness is judged (exact before approximate)."""
     if capacity is None:
         return None
     origin = origin or current
     failed = {m.plan for m in measurements if not m.fits and m.capacity is not None and m.capacity >= capacity}
+    model = MemoryModel(measurements)
     # A cure for fragmentation (a process rung) stays whatever plan is stepped up to.
-    levelled = [_with_process_rungs_of(current, plan) for plan in above]
-    candidates = [plan for plan in dict.fromkeys(levelled) if plan != current and plan not in failed]
+    levelled = dict.fromkeys(with_process_settings(plan, current) for plan in above)
+    candidates = [plan for plan in levelled if plan not in failed and is_above(model, origin, plan, current)]
     if not candidates:
         return None
-    model = MemoryModel(measurements)
     choice = planner.choose(origin, candidates, model, capacity)
-    if choice is None or not _preferred(origin, choice.plan, current):
+    if choice is None:
         return None
     peak = f"its peak {format_bytes(int(choice.predicted_peak))}" if choice.predicted_peak is not None else "it"
     speed = f" (~{choice.expected_samples_per_s:.1f} samples/s)" if choice.expected_samples_per_s is not None else ""
@@ -74,14 +75,19 @@ def step_up(
     )
 
 
-def _preferred(origin: Plan, candidate: Plan, current: Plan) -> bool:
-    """Whether a plan the job stepped down from is worth going back to from ``current``: it is
-    at least as faithful. Its speed is not weighed against the current plan's: it was left for
-    lack of room (a plan that needs more memory for the same work is the faster one: that is
-    what the rungs trade), and speeds measured at different times on a busy box differ by more
-    than the plans do (one plan's median samples/s moved by 17 % between two measurements in one
-    attempt beside another job, bench/contention_pairs.py); speed ranks the candidates."""
-    return planner.faithfulness(origin, candidate) <= planner.faithfulness(origin, current)
+def is_above(model: MemoryModel, origin: Plan, plan: Plan, current: Plan) -> bool:
+    """Whether ``plan`` is a step up from ``current``: more faithful (fewer or milder approximate
+    rungs), or as faithful and needing more memory (the rungs trade memory for time: of two
+    plans for the same work, the one that needs more is the faster). Measured speeds are not
+    weighed against each other: taken at different times on a busy box they differ by more than
+    the plans do (one plan's median samples/s moved by 17 % between two measurements in one
+    attempt beside another job, bench/contention_pairs.py). A plan below is never gone to, so a
+    job that stepped down twice cannot go round between the plans it left."""
+    plan_rank, current_rank = planner.faithfulness(origin, plan), planner.faithfulness(origin, current)
+    if plan_rank != current_rank:
+        return plan_rank < current_rank
+    plan_peak, current_peak = model.predicted_peak(plan), model.predicted_peak(current)
+    return plan_peak is not None and current_peak is not None and plan_peak > current_peak
 
 
 def approximate_rungs(origin: Plan, plan: Plan) -> list[str]:
@@ -101,11 +107,10 @@ def exact_again(origin: Plan, current: Plan, target: Plan) -> str:
     return f"; off the approximate rung {', '.join(left)} ({', '.join(remaining)} still approximate)"
 
 
-def _with_process_rungs_of(current: Plan, plan: Plan) -> Plan:
-    for rung in rungs.ladder():
-        if rung.role == "process":
-            plan = rung.set(plan, rung.get(current))
-    return plan
+def back_off_wait(failures: int) -> int:
+    """The wait (boundaries, or a command job's relaunches) after the ``failures``-th step up
+    that did not hold: 0 before any, then 1, 2, 4, ... at most MOST_BACK_OFF."""
+    return 0 if failures <= 0 else min(FIRST_BACK_OFF * 2 ** (failures - 1), MOST_BACK_OFF)
 
 
 @dataclass
@@ -120,9 +125,7 @@ class BackOff:
     def after_failures(cls, failures: int) -> BackOff:
         """The back-off of a new attempt of a job whose step ups failed ``failures`` times (in
         earlier attempts): the wait the last failure set, counted from this attempt's start."""
-        if failures <= 0:
-            return cls()
-        return cls(wait=min(FIRST_BACK_OFF * 2 ** (failures - 1), MOST_BACK_OFF), next_wait=min(FIRST_BACK_OFF * 2**failures, MOST_BACK_OFF))
+        return cls(wait=back_off_wait(failures), next_wait=back_off_wait(failures + 1))
 
     def ready(self) -> bool:
         """At a checkpoint boundary: whether a step up may be tried (else one boundary less to wait)."""
@@ -136,3 +139,7 @@ class BackOff:
         self.wait = self.next_wait
         self.next_wait = min(self.next_wait * 2, MOST_BACK_OFF)
         return self.wait
+
+    def waiting(self) -> bool:
+        """Whether boundaries are still to pass before a step up (asked without counting one)."""
+        return self.wait > 0

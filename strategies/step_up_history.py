@@ -15,18 +15,19 @@ straight back to the plan that worked, and the next try waits 1, 2, 4, ... up to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from oomguard.strategies import rungs
-from oomguard.strategies.decision import Decision, NextPlan, PastAttempt, Retry
+from oomguard.strategies.decision import Decision, NextPlan, PastAttempt, Retry, own_plan
 from oomguard.strategies.memory_model import Measurement
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.planner import rungs_between
 from oomguard.strategies.policy import Policy
-from oomguard.strategies.step_up import FIRST_BACK_OFF, MOST_BACK_OFF, BackOff, StepUp, step_up
+from oomguard.strategies.step_up import BackOff, StepUp, back_off_wait, step_up
 
 UP = "up"
 BACK = "back"
@@ -50,11 +51,15 @@ class StepUpHistory:
     # The plans the job stepped down from for lack of room, in the order it left them.
     above: tuple[Plan, ...] = ()
     measurements: tuple[Measurement, ...] = ()
-    # The plan the attempt before stepped up from (it ended "replan" to step up): this attempt
-    # goes back to it if it runs out of memory before its first checkpoint boundary.
+    # The plan an earlier attempt stepped up from (it ended "replan" to step up, and none after
+    # it trained): this attempt goes back to it if it runs out of memory before its first
+    # checkpoint boundary.
     trial_from: Plan | None = None
     # Step ups that did not hold, in all the job's attempts.
     failures: int = 0
+    # Whether a step up may end the attempt for a new process: not where every attempt waits in
+    # a batch scheduler's queue first (Slurm), which can take longer than the step up saves.
+    restarts: bool = True
 
     def back_off(self) -> BackOff:
         return BackOff.after_failures(self.failures)
@@ -66,6 +71,7 @@ class StepUpHistory:
             "measurements": [m.to_dict() for m in self.measurements],
             "trial_from": self.trial_from.to_dict() if self.trial_from is not None else None,
             "failures": self.failures,
+            "restarts": self.restarts,
         }
 
     @classmethod
@@ -77,26 +83,44 @@ class StepUpHistory:
             measurements=tuple(Measurement.from_dict(m) for m in data.get("measurements") or ()),
             trial_from=Plan.from_dict(trial_from) if trial_from else None,
             failures=int(data.get("failures") or 0),
+            restarts=bool(data.get("restarts", True)),
         )
 
 
-def step_up_history(history: Sequence[PastAttempt], policy: Policy, plan: Plan) -> StepUpHistory:
+def step_up_history(history: Sequence[PastAttempt], policy: Policy, plan: Plan, *, restarts: bool = True) -> StepUpHistory:
     """What the next attempt under ``plan`` is told, from the job's ended attempts."""
     from oomguard.strategies.doctor import measurements_of, unsafe_rungs  # the doctor imports this module
 
-    origin = policy.initial or (history[0].plan if history else plan)
+    origin = own_plan(policy, history, plan)
     unsafe = set(unsafe_rungs(history, policy))
     above = [p for past in history for p in stepped_down_from(past)]
     # A plan under which the loss diverged is never gone back to.
     safe = [p for p in dict.fromkeys(above) if not unsafe.intersection(rungs_between(origin, p))]
-    last = history[-1] if history else None
     return StepUpHistory(
         origin=origin,
         above=tuple(safe),
         measurements=tuple(measurements_of(history)[-MOST_MEASUREMENTS:]),
-        trial_from=replanned_up_from(last.outcome.recoveries) if last is not None and last.outcome.kind == "replan" else None,
+        trial_from=step_up_on_trial(history),
         failures=sum(1 for past in history for change in past.outcome.recoveries if change.get("direction") == BACK),
+        restarts=restarts,
     )
+
+
+def step_up_on_trial(history: Sequence[PastAttempt]) -> Plan | None:
+    """The plan the job's newest step up through a restart left, while the plan it went to has
+    not trained since: the attempts after it ended without moving (interrupted, a full disk, a
+    time limit before a step)."""
+    for past in reversed(history):
+        if past.outcome.kind == "replan":
+            return replanned_up_from(past.outcome.recoveries)
+        if moved(past.outcome) or past.outcome.kind not in ("interrupted", "time_limit", "disk_full"):
+            return None
+    return None
+
+
+def moved(outcome: Outcome) -> bool:
+    """The attempt trained a step past the checkpoint it resumed from."""
+    return outcome.step > (outcome.resumed_from or 0)
 
 
 def stepped_down_from(past: PastAttempt) -> list[Plan]:
@@ -127,15 +151,25 @@ def replanned_up_from(recoveries: Sequence[dict[str, Any]]) -> Plan | None:
 
 def launch_step_up(history: Sequence[PastAttempt], policy: Policy, plan: Plan, capacity: int | None) -> StepUp | None:
     """For a command job about to be relaunched under ``plan`` on a GPU with ``capacity`` bytes
-    free: the faster plan it stepped down from that the measurements say fits, or None (none
-    does, or the relaunches since a step up that failed are fewer than its back-off)."""
+    free: the plan above it that it stepped down from and the measurements say fits, or None
+    (none does; the relaunches since a step up that failed are fewer than its back-off; or the
+    last attempt ran out of memory itself, and the doctor has just chosen ``plan`` for it)."""
+    from oomguard.strategies.doctor import contention_of  # the doctor imports this module
+
+    last = history[-1]
+    if last.outcome.kind in ("oom", "host_oom", "diverged") and contention_of(last) is None:
+        return None
     failures = [at for at, past in enumerate(history) if failed_launch_step_up(past)]
-    if failures:
-        wait = min(FIRST_BACK_OFF * 2 ** (len(failures) - 1), MOST_BACK_OFF)
-        if len(history) - 1 - failures[-1] < wait:
-            return None
+    if failures and len(history) - 1 - failures[-1] < back_off_wait(len(failures)):
+        return None
     known = step_up_history(history, policy, plan)
-    return step_up(plan, known.above, known.measurements, capacity, origin=known.origin)
+    # A script's OOM names the card's total as its capacity; the room it had was less when other
+    # processes held some: a plan that ran out of memory then may fit the whole card now.
+    measured = [
+        dataclasses.replace(m, capacity=room) if not m.fits and (room := past.outcome.memory.room if past.outcome.memory else None) else m
+        for past in history for m in past.outcome.measurements
+    ]
+    return step_up(plan, known.above, measured[-MOST_MEASUREMENTS:], capacity, origin=known.origin)
 
 
 def failed_launch_step_up(past: PastAttempt) -> bool:
@@ -147,16 +181,18 @@ def failed_launch_step_up(past: PastAttempt) -> bool:
 
 
 def free_replan(past: PastAttempt, earlier: Sequence[PastAttempt]) -> bool:
-    """A "replan" that costs the job no try: one that trained and checkpointed first, or the way
-    back from a step up that did not hold (taken in the same attempt, or the one before). One
-    that did neither costs a try, so that a job cannot go round for ever without moving."""
+    """A "replan" that costs the job no try: one at a step beyond every earlier replan's (it
+    trained, or resumed further on, since), or the way back from a step up that the attempt
+    before took. One that did neither costs a try: outcome.json is the job owner's file, and a
+    job must not go round for ever without moving."""
     outcome = past.outcome
     if outcome.kind != "replan" or outcome.next_plan is None:
         return False
-    moved = outcome.step > (outcome.resumed_from or 0)
-    trial = any(change.get("direction") == UP for change in outcome.recoveries)
-    after_trial = bool(earlier) and earlier[-1].outcome.kind == "replan"
-    return moved or trial or after_trial
+    before = [p.outcome.step for p in earlier if p.outcome.kind == "replan"]
+    beyond = outcome.step > max([outcome.resumed_from or 0, *before])
+    back = bool(outcome.recoveries) and outcome.recoveries[-1].get("direction") == BACK
+    after_up = bool(earlier) and earlier[-1].outcome.kind == "replan" and replanned_up_from(earlier[-1].outcome.recoveries) is not None
+    return beyond or (back and after_up)
 
 
 def after_replan(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy) -> Decision:
@@ -166,9 +202,11 @@ def after_replan(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
     from oomguard.strategies.doctor import unsafe_rungs  # the doctor imports this module
 
     target = outcome.next_plan
-    origin = policy.initial or (history[0].plan if history else plan)
+    origin = own_plan(policy, history, plan)
     if target is None:
         return Retry(reason="the runner ended the attempt to change plans without naming the plan; the same plan again")
+    if (target.batch_size, target.world_size) != (plan.batch_size, plan.world_size):
+        return Retry(reason=f"the runner asked to go on under [{target.short()}], another batch or number of processes than the job's; the same plan again")
     allowed = {*policy.allow, *(r.name for r in rungs.ladder() if r.role in ("batch", "process"))}
     refused = [name for name in rungs_between(origin, target) if name not in allowed or name in unsafe_rungs(history, policy)]
     if refused:
@@ -183,8 +221,9 @@ def after_replan(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
 def after_failed_launch_step_up(outcome: Outcome, history: Sequence[PastAttempt], describe: str) -> NextPlan:
     """A command job relaunched under a step up ran out of memory (``describe``): back to the plan
     of the attempt before it, which worked; the next step up waits twice as many relaunches."""
-    failures = sum(1 for past in history if failed_launch_step_up(past))
-    wait = min(FIRST_BACK_OFF * 2 ** (failures - 1), MOST_BACK_OFF)
+    wait = back_off_wait(sum(1 for past in history if failed_launch_step_up(past)))
+    # The attempt before the step up ended other than out of memory (launch_step_up): the plan
+    # it ended under is the one that worked, and the one the step up left.
     before = history[-2].plan
     return NextPlan(
         plan=before, rung=STEP_UP_FAILED_RUNG,

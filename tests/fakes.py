@@ -55,6 +55,8 @@ class FakeLauncher:
     """Records what it is asked to start; an attempt runs until the test ends it with
     finish(), which writes what its runner and shim would have written (outcome.json)."""
 
+    queues_attempts = False
+
     def __init__(self) -> None:
         self.started: list[LaunchRequest] = []
         self.stops: list[tuple[str, bool]] = []  # (attempt folder, kill)

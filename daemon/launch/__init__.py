@@ -108,6 +108,9 @@ class Exit:
 
 
 class Launcher(Protocol):
+    # Each attempt waits in a batch scheduler's queue before it runs (a new process is costly).
+    queues_attempts: bool
+
     def start(self, request: LaunchRequest) -> Handle:
         """Start the attempt; LaunchFailed when it cannot be started."""
         ...

@@ -30,6 +30,8 @@ SHIM_MODULE = "oomguard.daemon.shim"
 
 
 class LocalLauncher:
+    queues_attempts = False
+
     def __init__(self, *, log_limit_bytes: int | None = None) -> None:
         """``log_limit_bytes``: the cap on each attempt's log, head and tail together
         (daemon/log_cap.py; ValueError below its least); None: the shim's default."""

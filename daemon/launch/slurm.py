@@ -60,6 +60,8 @@ class NoSlurm(RuntimeError):
 
 
 class SlurmLauncher:
+    queues_attempts = True
+
     def __init__(
         self, config: SlurmConfig, *, python: str = sys.executable, clock: Callable[[], float] = time.monotonic, log_limit_bytes: int | None = None,
     ) -> None:

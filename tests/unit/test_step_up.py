@@ -100,3 +100,15 @@ def test_a_plan_stepped_down_from_is_gone_back_to_if_as_faithful_whatever_speed_
     # Never to a less faithful one, however fast.
     eight_bit = FULL.replace(optimizer="adamw8bit")
     assert step_up(offloaded, [eight_bit], [*MEASURED, ran(offloaded, 60, 100.0), ran(eight_bit, 50, 900.0)], capacity=500 * MiB) is None
+
+
+def test_a_job_that_stepped_down_twice_goes_back_to_the_top_and_not_round_between_the_plans_it_left() -> None:
+    quarter = FULL.replace(micro_batch=4)
+    measured = [*MEASURED, ran(quarter, 40, samples_per_s=100.0)]
+    up = step_up(quarter, [FULL, HALF], measured, capacity=500 * MiB)
+    assert up is not None and up.plan == FULL
+    assert step_up(FULL, [FULL, HALF], measured, capacity=500 * MiB) is None  # HALF needs less: below
+    offloaded, both = FULL.replace(offload="optimizer"), FULL.replace(offload="optimizer", optimizer="adamw8bit")
+    through = [*measured, ran(offloaded, 60, 150.0), ran(both, 50, 160.0)]
+    assert step_up(both, [FULL, offloaded], through, capacity=500 * MiB, origin=FULL).plan == FULL  # type: ignore[union-attr]
+    assert step_up(FULL, [FULL, offloaded], through, capacity=500 * MiB, origin=FULL) is None

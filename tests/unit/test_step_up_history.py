@@ -101,3 +101,55 @@ def test_a_command_job_steps_up_at_a_relaunch_and_backs_off_in_relaunches() -> N
     waited = [*history, failed, interrupted, again, interrupted]
     assert launch_step_up(waited, POLICY, HALF, 120 * MiB) is None  # two failures: two relaunches
     assert launch_step_up([*waited, interrupted], POLICY, HALF, 120 * MiB) is not None
+
+
+def test_a_command_job_is_not_stepped_up_at_the_relaunch_the_doctor_chose_its_plan_for() -> None:
+    measured = (ran(OWN, 100, rate=200.0), ran(HALF, 60, rate=150.0))
+    assert launch_step_up([oom(5, OWN, *measured)], POLICY, HALF, 900 * MiB) is None
+
+
+def test_a_scripts_oom_on_a_shared_card_counts_at_the_room_it_had_not_the_cards_total() -> None:
+    measured = (ran(OWN, 100, rate=200.0), ran(HALF, 60, rate=150.0))
+    memory = MemoryFigures(requested=MiB, allocated=70 * MiB, reserved=72 * MiB, free=8 * MiB, total=1000 * MiB)
+    failed = Measurement(plan=OWN, fits=False, peak_bytes=71 * MiB, capacity=1000 * MiB)
+    script_oom = PastAttempt(OWN, Outcome(kind="oom", step=5, memory=memory, measurements=(*measured, failed)))
+    interrupted = PastAttempt(HALF, Outcome(kind="time_limit", step=9, resumed_from=5))
+    assert memory.room == 80 * MiB
+    found = launch_step_up([script_oom, interrupted], POLICY, HALF, 990 * MiB)  # the neighbour has left the card
+    assert found is not None and found.plan == OWN
+
+
+def test_a_replan_at_the_same_step_again_costs_a_try_and_one_that_changes_the_batch_is_refused() -> None:
+    first = up(OFFLOADED, OWN, 10, 5)
+    again = PastAttempt(OFFLOADED, Outcome(kind="replan", step=10, resumed_from=10, plan=OFFLOADED, next_plan=OWN, recoveries=first.outcome.recoveries))
+    assert free_replan(first, [oom(5, OWN)])
+    assert not free_replan(again, [oom(5, OWN), first])  # an owner's outcome.json said so once already
+    bigger = PastAttempt(OFFLOADED, Outcome(kind="replan", step=12, resumed_from=10, plan=OFFLOADED, next_plan=OWN.replace(batch_size=64)))
+    decision = decide(bigger.outcome, OFFLOADED, [oom(5, OWN), bigger], POLICY)
+    assert isinstance(decision, Retry) and "another batch or number of processes" in decision.reason
+
+
+def test_a_step_up_stays_on_trial_across_an_interruption_that_trained_nothing() -> None:
+    stopped = PastAttempt(OWN, Outcome(kind="interrupted", step=10, resumed_from=10, plan=OWN))
+    trained = PastAttempt(OWN, Outcome(kind="interrupted", step=12, resumed_from=10, plan=OWN))
+    history = [oom(5, OWN), up(OFFLOADED, OWN, 10, 5), stopped]
+    assert step_up_history(history, POLICY, OWN).trial_from == OFFLOADED
+    assert step_up_history([*history, trained], POLICY, OWN).trial_from is None
+
+
+def test_a_new_attempt_after_a_failed_step_up_waits_its_boundaries_from_the_first_not_from_its_start() -> None:
+    from oomguard.jobs.step_ups import StepUps
+
+    measured = (ran(OWN, 100, rate=200.0), ran(OFFLOADED, 60, rate=150.0))
+    known = StepUpHistory(origin=OWN, above=(OWN,), measurements=measured, failures=1)
+    runner = StepUps(known)
+    assert runner.at_start(10, OFFLOADED, 500 * MiB) is None
+    assert runner.at_checkpoint(12, OFFLOADED, (), (), 500 * MiB) is None  # the one boundary it waits
+    assert runner.at_checkpoint(14, OFFLOADED, (), (), 500 * MiB)["to"] == OWN.to_dict()  # type: ignore[index]
+    # Too many changes in the attempt: no step, but the boundary ends a trial all the same.
+    trial = StepUps(StepUpHistory(origin=OWN, above=(OWN,), measurements=measured, trial_from=OFFLOADED))
+    assert trial.at_checkpoint(12, OWN, (), (), 500 * MiB, may_step=False) is None and trial.on_trial_from is None
+    # Where every attempt waits in a cluster's queue, no step up through a restart.
+    queued = StepUps(StepUpHistory(origin=OWN, above=(OWN,), measurements=measured, restarts=False))
+    assert queued.at_checkpoint(12, OFFLOADED, (), (), 500 * MiB) is None
+    assert queued.at_start(12, OFFLOADED, 500 * MiB) is not None  # at the start nothing is built: no restart
