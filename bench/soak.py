@@ -80,7 +80,7 @@ keep_checkpoints = 2
 # They say what they need (resources.memory), so they start beside a neighbour (a job whose need
 # is unknown waits for a GPU 90 % free), where the probe starts them at micro-batch 4.
 LONG_SHARE = 0.15
-LONG_STEPS = (2000, 4000)
+LONG_STEPS = (1000, 2000)
 LONG_CHECKPOINT_EVERY = 50
 LONG_RESOURCES = '[resources]\nmemory = "3MiB"\n'
 
@@ -361,7 +361,7 @@ def main() -> int:
     parser.add_argument("--disk-mib", type=int, default=96, help="the small disk's size, MiB (default 96)")
     parser.add_argument("--no-disk", action="store_true", help="no small disk, even as root")
     parser.add_argument("--forget-after-days", type=float, default=0.003, help="the daemon's --forget-after (default 0.003: ~4 minutes)")
-    parser.add_argument("--drain-minutes", type=float, default=10.0, help="how long to wait for the last jobs (default 10)")
+    parser.add_argument("--drain-minutes", type=float, default=25.0, help="how long to wait for the last jobs (default 25: the long ones take minutes each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS, help="where soak.md and soak.json go (default bench/results)")
     args = parser.parse_args()
