@@ -6,13 +6,13 @@ each way of ending into an Outcome.
 resume from the newest usable checkpoint), ``run_steps`` (each step, with in-process recovery
 from an OOM, reporting and periodic checkpoints), ``finish`` (the final model); ``ended`` gives
 whichever Outcome ended it what the attempt learnt (plans, measurements, rungs taken).
-Over 400 lines: the steps of one attempt share its state (progress, plan records, control).
+Over 400 lines: the steps of one attempt share its state (progress, plan records, control,
+the step ups); what each step writes is jobs/step_report.py's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
 import statistics
@@ -25,12 +25,13 @@ from typing import IO, Any
 import torch
 
 from oomguard.jobs import checkpoints, train_state
-from oomguard.jobs.attempt import HEARTBEAT, METRICS, AttemptConfig, Control, write_json_atomic
+from oomguard.jobs.attempt import METRICS, AttemptConfig, Control
 from oomguard.jobs.disk_guard import checkpoint_need, disk_full_outcome, final_need, room_for, unplanned_disk_full, writing_into
 from oomguard.jobs.disk_space import DiskFull, is_disk_full
 from oomguard.jobs.emulated_gpus import AssignedGpu
 from oomguard.jobs.memory_cap import DeviceMemory, open_device_memory
 from oomguard.jobs.probe import run_probe
+from oomguard.jobs.step_report import Progress, report_step
 from oomguard.jobs.step_ups import StepUps
 from oomguard.jobs.trainers import make_trainer
 from oomguard.jobs.trainers.base import Trainer
@@ -52,14 +53,6 @@ IN_PROCESS_PHASES = ("data", "forward", "backward")
 # Called after each optimizer step with the Training and the step count, before the step is
 # reported or checkpointed (jobs/run.py hooks in jobs/faults.py this way).
 StepHook = Callable[[Training, int], None]
-
-
-@dataclass
-class Progress:
-    step: int = 0
-    last_checkpoint: int | None = None
-    resumed_from: int | None = None
-    last_heartbeat: float = field(default=0.0)
 
 
 @dataclass
@@ -361,7 +354,7 @@ class AttemptRun:
         if self.after_step is not None:
             self.after_step(training, self.progress.step)
         self.memory.publish()
-        _report(
+        report_step(
             self.attempt_dir, metrics, self.progress, self.job.train.max_steps, result.loss, samples_per_s, self.memory, training.plan.short(), self.recoveries
         )
         train = self.job.train
@@ -452,40 +445,6 @@ def _steady(records: dict[Plan, PlanRecord]) -> list[Measurement]:
         for p, r in records.items()
         if r.peaks
     ]
-
-
-def _report(
-    attempt_dir: Path,
-    metrics: Any,
-    progress: Progress,
-    max_steps: int,
-    loss: float,
-    samples_per_s: float,
-    memory: DeviceMemory,
-    plan: str,
-    recoveries: list[dict[str, Any]],
-) -> None:
-    record = {
-        "step": progress.step,
-        "max_steps": max_steps,
-        "loss": loss,
-        "samples_per_s": samples_per_s,
-        "peak_bytes": memory.peak_bytes(),
-        "capacity_bytes": memory.capacity(),
-        "plan": plan,
-        "time": time.time(),
-    }
-    metrics.write(json.dumps(record) + "\n")
-    metrics.flush()
-    now = time.monotonic()
-    # The heartbeat is a small file rewritten at most once a second (and on the last step).
-    # It carries the rungs the runner took so far, which the daemon reports while it runs.
-    if now - progress.last_heartbeat >= 1.0 or progress.step == max_steps:
-        # For a daemon that finds it killed without a report (a time limit): did it checkpoint?
-        checkpoints = {"last_checkpoint": progress.last_checkpoint, "resumed_from": progress.resumed_from}
-        write_json_atomic(attempt_dir / HEARTBEAT, {**record, "recoveries": recoveries, **checkpoints})
-        progress.last_heartbeat = now
-        print(f"step {progress.step}/{max_steps} loss {loss:.5f} {samples_per_s:.1f} samples/s", flush=True)
 
 
 def _save_final(trainer: Trainer, model: torch.nn.Module, final_dir: Path) -> None:
