@@ -62,6 +62,7 @@ from typing import Any
 
 import host_pressure
 from host_pressure import MemoryCgroup, squeeze
+from tiny_job import TINY_JOB
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
@@ -71,33 +72,12 @@ CHECKPOINT_EVERY = 4
 # One thread per process: two attempts share the two cores without oversubscribing them.
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
-JOB = """\
-name = "seed-{seed}"
-trainer = "unconditional"
-{workdir}
-[data]
-source = "synthetic:16"
-resolution = 16
-
-[model]
-block_out_channels = [8, 16]
-layers_per_block = 1
-down_block_types = ["DownBlock2D", "DownBlock2D"]
-up_block_types = ["UpBlock2D", "UpBlock2D"]
-norm_num_groups = 4
-
-[train]
-batch_size = 8
-max_steps = {max_steps}
-learning_rate = 1e-3
-seed = {seed}
-checkpoint_every_steps = {checkpoint_every}
-keep_checkpoints = 2
-
-[ladder]
-probe = false
-crash_retries = 5
-"""
+# The benchmarks' tiny job (bench/tiny_job.py), every run at batch 8, without a probe, with
+# crash retries enough for the faults that look like crashes.
+JOB = (
+    TINY_JOB.replace('name = "{name}"', 'name = "seed-{seed}"').replace("batch_size = {batch_size}", "batch_size = 8")
+    + "\n[ladder]\nprobe = false\ncrash_retries = 5\n"
+)
 
 
 # The NaN fault needs a job that takes the precision rung: activations dominate its memory

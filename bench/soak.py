@@ -43,39 +43,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from tiny_job import TINY_JOB
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 OOMGUARD = str(Path(sys.executable).with_name("oomguard"))
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 MiB = 2**20
 ENDED = ("finished", "failed", "cancelled")
-# Emulated peaks of this job (tests/jobs_helpers.TINY_JOB's model): micro-batch 8 about 4.1 MiB,
+# Emulated peaks of the tiny job (bench/tiny_job.py): micro-batch 8 about 4.1 MiB,
 # 4 about 2.5 MiB; the GPUs have 6 MiB each, so batch 16 steps down and a neighbour of 2-3 MiB
 # forces a wait or a step down.
 GPUS = "2x6MiB"
-JOB = """name = "{name}"
-trainer = "unconditional"
-{workdir}
-[data]
-source = "synthetic:16"
-resolution = 16
-
-[model]
-block_out_channels = [8, 16]
-layers_per_block = 1
-down_block_types = ["DownBlock2D", "DownBlock2D"]
-up_block_types = ["UpBlock2D", "UpBlock2D"]
-norm_num_groups = 4
-
-[train]
-batch_size = {batch_size}
-max_steps = {max_steps}
-learning_rate = 1e-3
-seed = {seed}
-checkpoint_every_steps = {checkpoint_every}
-keep_checkpoints = 2
-"""
-# A share of the jobs run for minutes (a few thousand steps of this tiny model), long enough for
+# A share of the jobs run for minutes (1,000-2,000 steps of the tiny model), long enough for
 # a neighbour that was there when they started to leave while they train: they step back up.
 # They say what they need (resources.memory), so they start beside a neighbour (a job whose need
 # is unknown waits for a GPU 90 % free), where the probe starts them at micro-batch 4.
@@ -170,7 +150,7 @@ class Box:
             path = folder / f"{name}.toml"
             long = rng.random() < LONG_SHARE
             steps, every = (rng.randint(*LONG_STEPS), LONG_CHECKPOINT_EVERY) if long else (rng.randint(12, 40), 4)
-            text = JOB.format(name=name, workdir=workdir, batch_size=rng.choice([8, 8, 16]), max_steps=steps, seed=n, checkpoint_every=every)
+            text = TINY_JOB.format(name=name, workdir=workdir, batch_size=rng.choice([8, 8, 16]), max_steps=steps, seed=n, checkpoint_every=every)
             path.write_text(text + (LONG_RESOURCES if long else ""))
             files.append(str(path))
         done = subprocess.run([OOMGUARD, "--state-dir", str(self.state), "submit", *files, "--wait", "60"], capture_output=True, text=True, timeout=600)

@@ -39,7 +39,7 @@ from oomguard.strategies import rungs
 from oomguard.strategies.decision import Retry
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.step_up_history import BACK, LAUNCH_STEP_UP_RUNG, UP
+from oomguard.strategies.step_up_history import BACK, UP
 from oomguard.strategies.planner import describe_change
 from oomguard.strategies.units import format_duration_words
 from oomguard.strategies.errors import LaunchFailed, PermissionRefused
@@ -185,29 +185,35 @@ class Attempts:
             job,
             number=number,
             plan=json.dumps(plan.to_dict()),
-            rung=LAUNCH_STEP_UP_RUNG if launch.step_up is not None else job.next_rung,
-            reason=launch.step_up.reason if launch.step_up is not None else job.next_reason,
+            rung=launch.rung(job),
+            reason=launch.reason(job),
             directory=str(attempt_dir),
             gpus=",".join(str(i) for i in gpus) if gpus is not None else None,
             started_at=self.clock.time(),
         )
-        runner = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)]
-        cwd = None
+        runner, cwd = [sys.executable, "-m", "oomguard.jobs.run", str(attempt_dir)], None
         if spec.command is not None:
-            # The user's own script, with the plan's knobs in its arguments: the bootstrap
-            # reports its steps, the shim's exit.json and the log's last error how it ended.
-            # The store holds the job's [command.env] masked: the real values come from its secrets file.
-            runner, extra_env = render(with_env(spec.command, self.secrets.env(job.id)), plan, workdir, number)
-            env.update(extra_env)
-            cwd = spec.command.cwd
-            env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
-            env.update(placement.device.environment())
+            runner, cwd = self._command(job, spec, plan, workdir, number, env, placement)
         request = LaunchRequest(
             attempt_dir=attempt_dir, argv=tuple(runner), env=env, owner=owner, workdir=workdir, cwd=cwd,
             stdin=json.dumps(config.to_dict(), indent=2).encode(), gpus=gpus, resources=resources_asked(job, spec),
             label=f"oomguard-{job.id}-{number}",
         )
         return self._launch(job, attempt_id, number, request, plan)
+
+    def _command(
+        self, job: JobRow, spec: JobSpec, plan: Plan, workdir: Path, number: int, env: dict[str, str], placement: Placement,
+    ) -> tuple[list[str], str | None]:
+        """A command job's argv and folder: the user's own script, with the plan's knobs in its
+        arguments (the bootstrap reports its steps, the shim's exit.json and the log's last error
+        how it ended); ``env`` gains what its processes need."""
+        assert spec.command is not None
+        # The store holds the job's [command.env] masked: the real values come from its secrets file.
+        argv, extra_env = render(with_env(spec.command, self.secrets.env(job.id)), plan, workdir, number)
+        env.update(extra_env)
+        env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
+        env.update(placement.device.environment())
+        return argv, spec.command.cwd
 
     def _launch(self, job: JobRow, attempt_id: int, number: int, request: LaunchRequest, plan: Plan) -> bool:
         """Start the recorded attempt; a launcher that cannot start it at all fails the job

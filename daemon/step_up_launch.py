@@ -16,7 +16,7 @@ from oomguard.daemon.store_rows import AttemptRow, JobRow
 from oomguard.jobs.spec import JobSpec
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.step_up import StepUp
-from oomguard.strategies.step_up_history import StepUpHistory, launch_step_up, step_up_history
+from oomguard.strategies.step_up_history import LAUNCH_STEP_UP_RUNG, StepUpHistory, launch_step_up, step_up_history
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,13 @@ class LaunchPlan:
     step_up: StepUp | None = None
     # A built-in job's history, for its runner to step up from (None: its first attempt).
     history: StepUpHistory | None = None
+
+    def rung(self, job: JobRow) -> str | None:
+        """The rung the attempt is recorded under: the step up's, else the doctor's."""
+        return LAUNCH_STEP_UP_RUNG if self.step_up is not None else job.next_rung
+
+    def reason(self, job: JobRow) -> str | None:
+        return self.step_up.reason if self.step_up is not None else job.next_reason
 
 
 def launch_plan(

@@ -26,7 +26,7 @@ def continues(outcome: Outcome, earlier: Sequence[PastAttempt]) -> bool:
     without moving."""
     if outcome.kind == "interrupted":
         return not _idle_cluster_failure(outcome) or _idle_cluster_failures_before(earlier) < FREE_IDLE_CLUSTER_FAILURES
-    if outcome.kind != "time_limit" or outcome.time_limit_without_checkpoint is not None or not _moved(outcome):
+    if outcome.kind != "time_limit" or outcome.time_limit_without_checkpoint is not None or not outcome.moved:
         return False
     before = [past.outcome.resumed_from or 0 for past in earlier if past.outcome.kind == "time_limit"]
     return not before or (outcome.resumed_from or 0) > max(before)
@@ -37,7 +37,7 @@ def _idle_cluster_failure(outcome: Outcome) -> bool:
     trained a step: free a few times in a row, then a try each, or a node that fails each
     time the job lands on it would keep it going round for ever. (The daemon's own
     interruptions stay free: a reboot with no report from the runner reads as step 0 too.)"""
-    return outcome.kind == "interrupted" and outcome.scheduler_state is not None and not _moved(outcome)
+    return outcome.kind == "interrupted" and outcome.scheduler_state is not None and not outcome.moved
 
 
 def _idle_cluster_failures_before(earlier: Sequence[PastAttempt]) -> int:
@@ -49,15 +49,11 @@ def _idle_cluster_failures_before(earlier: Sequence[PastAttempt]) -> int:
     return streak
 
 
-def _moved(outcome: Outcome) -> bool:
-    return outcome.step > (outcome.resumed_from or 0)
-
-
 def after_time_limit(outcome: Outcome, plan: Plan) -> Retry:
     """A cluster's time limit: the next attempt goes on with the same plan (no rung); one that
     passed without a checkpoint made in the attempt makes the next ones checkpoint more often."""
     limit = outcome.time_limit_without_checkpoint
-    if limit is None and not _moved(outcome):
+    if limit is None and not outcome.moved:
         return Retry(
             reason=f"the cluster's time limit came before the attempt trained a step (Slurm may signal up to a minute early); the next "
             f"attempt tries again from step {outcome.step} with the same plan [{plan.short()}]",

@@ -141,6 +141,11 @@ class Outcome:
     next_plan: Plan | None = None
 
     @property
+    def moved(self) -> bool:
+        """The attempt trained a step past the checkpoint it resumed from (or past step 0)."""
+        return self.step > (self.resumed_from or 0)
+
+    @property
     def error_line(self) -> str | None:
         """The exception the attempt died of, as its traceback's last line names it (e.g.
         "FileNotFoundError: [Errno 2] No such file or directory: 'x.csv'"), when its report

@@ -23,7 +23,7 @@ from typing import Any
 from oomguard.strategies import rungs
 from oomguard.strategies.decision import Decision, NextPlan, PastAttempt, Retry, own_plan
 from oomguard.strategies.memory_model import Measurement
-from oomguard.strategies.outcome import Outcome
+from oomguard.strategies.outcome import MemoryFigures, Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.planner import rungs_between
 from oomguard.strategies.policy import Policy
@@ -89,7 +89,7 @@ class StepUpHistory:
 
 def step_up_history(history: Sequence[PastAttempt], policy: Policy, plan: Plan, *, restarts: bool = True) -> StepUpHistory:
     """What the next attempt under ``plan`` is told, from the job's ended attempts."""
-    from oomguard.strategies.doctor import measurements_of, unsafe_rungs  # the doctor imports this module
+    from oomguard.strategies.doctor import unsafe_rungs  # the doctor imports this module
 
     origin = own_plan(policy, history, plan)
     unsafe = set(unsafe_rungs(history, policy))
@@ -99,11 +99,27 @@ def step_up_history(history: Sequence[PastAttempt], policy: Policy, plan: Plan, 
     return StepUpHistory(
         origin=origin,
         above=tuple(safe),
-        measurements=tuple(measurements_of(history)[-MOST_MEASUREMENTS:]),
+        measurements=tuple(measured_at_room(history)[-MOST_MEASUREMENTS:]),
         trial_from=step_up_on_trial(history),
         failures=sum(1 for past in history for change in past.outcome.recoveries if change.get("direction") == BACK),
         restarts=restarts,
     )
+
+
+def measured_at_room(history: Sequence[PastAttempt]) -> list[Measurement]:
+    """What the job's attempts measured, each OOM at the room its process had (free plus what it
+    held): a script's OOM names the card's total as its capacity, though other processes held
+    some of it, and a plan that ran out of memory then may fit the whole card now. (The built-in
+    runner's OOM figures name the room already.)"""
+    return [_at_room(m, past.outcome.memory) for past in history for m in past.outcome.measurements]
+
+
+def _at_room(measurement: Measurement, memory: MemoryFigures | None) -> Measurement:
+    """``measurement`` at the room of the OOM it was made from (``memory``: the attempt's last)."""
+    room = memory.room if memory is not None else None
+    if measurement.fits or room is None or memory is None or measurement.capacity != memory.total:
+        return measurement  # not the OOM these figures describe, or its room is unknown
+    return dataclasses.replace(measurement, capacity=room)
 
 
 def step_up_on_trial(history: Sequence[PastAttempt]) -> Plan | None:
@@ -113,14 +129,10 @@ def step_up_on_trial(history: Sequence[PastAttempt]) -> Plan | None:
     for past in reversed(history):
         if past.outcome.kind == "replan":
             return replanned_up_from(past.outcome.recoveries)
-        if moved(past.outcome) or past.outcome.kind not in ("interrupted", "time_limit", "disk_full"):
+        if past.outcome.moved or past.outcome.kind not in ("interrupted", "time_limit", "disk_full"):
             return None
     return None
 
-
-def moved(outcome: Outcome) -> bool:
-    """The attempt trained a step past the checkpoint it resumed from."""
-    return outcome.step > (outcome.resumed_from or 0)
 
 
 def stepped_down_from(past: PastAttempt) -> list[Plan]:
@@ -163,13 +175,7 @@ def launch_step_up(history: Sequence[PastAttempt], policy: Policy, plan: Plan, c
     if failures and len(history) - 1 - failures[-1] < back_off_wait(len(failures)):
         return None
     known = step_up_history(history, policy, plan)
-    # A script's OOM names the card's total as its capacity; the room it had was less when other
-    # processes held some: a plan that ran out of memory then may fit the whole card now.
-    measured = [
-        dataclasses.replace(m, capacity=room) if not m.fits and (room := past.outcome.memory.room if past.outcome.memory else None) else m
-        for past in history for m in past.outcome.measurements
-    ]
-    return step_up(plan, known.above, measured[-MOST_MEASUREMENTS:], capacity, origin=known.origin)
+    return step_up(plan, known.above, known.measurements, capacity, origin=known.origin)
 
 
 def failed_launch_step_up(past: PastAttempt) -> bool:
