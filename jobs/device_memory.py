@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
 from oomguard.strategies.units import format_torch_size
@@ -113,10 +113,40 @@ def _storage(t: Any) -> torch.UntypedStorage | None:
     # Sparse and other non-strided layouts have no single storage to count.
     if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
         return None
+    if is_traceable_wrapper_subclass(t):
+        # A sharded model's DTensor: its memory is its local shard's. Ops on it run inside the
+        # subclass, out of this mode's sight, so its outputs are counted here by their shard.
+        inner, _ = t.__tensor_flatten__()
+        return _storage(getattr(t, inner[0])) if len(inner) == 1 else None
     try:
         return t.untyped_storage()
     except RuntimeError:  # wrapper tensor subclasses without a storage of their own
         return None
+
+
+_STORAGE_RESIZE = torch.UntypedStorage.resize_
+
+
+def _count_storage_resizes(device: EmulatedDevice | None) -> None:
+    """Count ``UntypedStorage.resize_`` on ``device`` (None: stop). FSDP frees a gathered
+    block's parameters and allocates them again by resizing their storage, which no tensor op
+    (and so no dispatch mode) sees; a sharded model's memory would otherwise look as if every
+    gathered block stayed."""
+    if device is None:
+        torch.UntypedStorage.resize_ = _STORAGE_RESIZE  # type: ignore[method-assign]
+        return
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+        if not device._paused and size > storage.nbytes():
+            device._resized(storage, size)  # refused before it happens, as an allocation is
+            result = _STORAGE_RESIZE(storage, size)
+        else:
+            result = _STORAGE_RESIZE(storage, size)
+            if not device._paused:
+                device._resized(storage, storage.nbytes())
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
 
 
 class _CapacityMode(TorchDispatchMode):
@@ -305,6 +335,7 @@ class EmulatedDevice:
             raise RuntimeError("this EmulatedDevice is already active")
         self._mode = _CapacityMode(self)
         self._mode.__enter__()
+        _count_storage_resizes(self)
         if self.count_moves:
             self._moves = _MovesMode(self)
             self._moves.__enter__()
@@ -317,6 +348,7 @@ class EmulatedDevice:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(*exc_info)
+            _count_storage_resizes(None)
 
     # -- accounting (called by the mode after every op) --------------------------------
 
@@ -368,20 +400,23 @@ class EmulatedDevice:
             st = _storage(t)
             if st is None:
                 continue
-            entry = self._tracked.get(id(st))
-            if entry is None:
-                continue
-            nbytes = st.nbytes()
-            growth = nbytes - entry[1]
-            if growth == 0:
-                continue
-            capacity = self._capacity
-            if growth > 0 and capacity is not None and self._live + growth > capacity:
-                self._refuse(growth, capacity)
-            self._tracked[id(st)] = (entry[0], nbytes, entry[2])
-            self._live += growth
-            if self._live > self._peak:
-                self._peak = self._live
+            self._resized(st, st.nbytes())
+
+    def _resized(self, st: torch.UntypedStorage, nbytes: int) -> None:
+        """A tracked storage now holds ``nbytes`` (refused, as an OOM, beyond the capacity)."""
+        entry = self._tracked.get(id(st))
+        if entry is None or entry[0]() is not st:
+            return
+        growth = nbytes - entry[1]
+        if growth == 0:
+            return
+        capacity = self._capacity
+        if growth > 0 and capacity is not None and self._live + growth > capacity:
+            self._refuse(growth, capacity)
+        self._tracked[id(st)] = (entry[0], nbytes, entry[2])
+        self._live += growth
+        if self._live > self._peak:
+            self._peak = self._live
 
     def _refuse(self, requested: int, capacity: int) -> None:
         allocated = self._live

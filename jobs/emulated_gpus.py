@@ -145,8 +145,11 @@ class AssignedGpu:
         root = env.get(EMULATED_GPUS_ENV)
         if not root:
             return None
-        visible = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-        return cls(EmulatedGpuFolder(Path(root)), int(visible))
+        # One process per GPU (a built-in job's ranks, accelerate's or torchrun's processes):
+        # LOCAL_RANK picks this process's GPU among those the attempt was placed on.
+        visible = [index.strip() for index in env.get("CUDA_VISIBLE_DEVICES", "0").split(",")]
+        local_rank = int(env.get("LOCAL_RANK", "0") or 0)
+        return cls(EmulatedGpuFolder(Path(root)), int(visible[local_rank % len(visible)] or 0))
 
     def capacity_for(self, pid: int) -> int:
         """The card's total less what every other process on it holds now."""

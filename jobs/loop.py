@@ -31,6 +31,7 @@ from oomguard.jobs.disk_space import DiskFull, is_disk_full
 from oomguard.jobs.emulated_gpus import AssignedGpu
 from oomguard.jobs.memory_cap import DeviceMemory, open_device_memory
 from oomguard.jobs.probe import run_probe
+from oomguard.jobs.rank_group import PeerOutOfMemory, RankGroup
 from oomguard.jobs.step_report import Progress, report_step
 from oomguard.jobs.step_ups import StepUps
 from oomguard.jobs.trainers import make_trainer
@@ -55,6 +56,16 @@ IN_PROCESS_PHASES = ("data", "forward", "backward")
 StepHook = Callable[[Training, int], None]
 
 
+class RankAlone(Exception):
+    """This rank ran out of memory where the other ranks cannot learn of it (inside a sharded
+    model's collectives, or after the check-in): it ends alone, and jobs/ranks.py stops the
+    others. Holds the Outcome."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.message)
+        self.outcome = outcome
+
+
 @dataclass
 class PlanRecord:
     """Steady-state steps of one plan in this process (the first step after building an
@@ -71,6 +82,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
     run = AttemptRun(config, attempt_dir, control, after_step)
     metrics = (attempt_dir / METRICS).open("a")
     try:
+        run.ranks.start(run.device)
         with run.memory:
             outcome = run.start()
             if outcome is None:
@@ -87,6 +99,8 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
         if back is not None:
             back["restart"] = True  # nothing of this process can go on
         return run.ended(run.replan(back) if back is not None else oom)
+    except RankAlone as alone:
+        return run.ended(alone.outcome)
     except (DiskFull, OSError) as error:
         # A full disk is not a crash: the attempt ends so that the job waits for room, and goes
         # on from its last verified checkpoint (a partial write has removed itself).
@@ -100,6 +114,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
     finally:
         run.memory.withdraw()
         metrics.close()
+        run.ranks.close()
 
 
 class AttemptRun:
@@ -112,7 +127,8 @@ class AttemptRun:
         self.attempt_dir = attempt_dir
         self.control = control
         self.after_step = after_step
-        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.ranks = RankGroup.from_environment()
+        self.device = self.ranks.device()
         self.trainer: Trainer = make_trainer(self.job, config.workdir)
         self.progress = Progress()
         self.training: Training | None = None
@@ -132,7 +148,8 @@ class AttemptRun:
         self.replanned_to: Plan | None = None
 
     def say(self, text: str) -> None:
-        print(text, flush=True)
+        if self.ranks.main:  # the ranks agree: one of them speaks for all
+            print(text, flush=True)
 
     def _device_tensors(self) -> dict[str, list[torch.Tensor]]:
         # Before a Training exists (the probe, a plan being built) the frozen parts are there.
@@ -168,7 +185,8 @@ class AttemptRun:
             self.progress.step = self.progress.last_checkpoint = latest.step
             # Nothing is built yet: any plan the job stepped down from in earlier attempts that
             # fits the room there is now is a step up without a restart.
-            up = self.step_ups.at_start(latest.step, self.plan, self.memory.capacity())
+            capacity = self.ranks.smallest(self.memory.capacity())
+            up = self.ranks.from_main(lambda: self.step_ups.at_start(latest.step, self.plan, capacity))
             if up is not None:
                 self.recoveries.append(up)
                 self.say(f"at step {up['step']}: {up['reason']}")
@@ -176,16 +194,17 @@ class AttemptRun:
         # Before the probe: what it measures, and what it counts as left behind, is on top.
         self.control.phase = "setup"
         self.trainer.place_frozen(self.plan, self.device, self.memory)
-        if self.config.probe and latest is None:
+        # The probe builds plan after plan in one process; ranks go by their first plan.
+        if self.config.probe and latest is None and self.ranks.solo:
             failure = self._probe()
             if failure is not None:
                 return failure
         self.control.phase = "setup"
         if latest is None:
-            self.training = build_training(self.trainer, self.job, self.plan, self.device, self.memory)
+            self.training = build_training(self.trainer, self.job, self.plan, self.device, self.memory, ranks=self.ranks)
             self.say("no checkpoint: starting at step 0")
             return None
-        self.training = build_training(self.trainer, self.job, self.plan, self.device, self.memory, weights)
+        self.training = build_training(self.trainer, self.job, self.plan, self.device, self.memory, weights, ranks=self.ranks)
         del weights
         self._resume(latest)
         return None
@@ -213,7 +232,8 @@ class AttemptRun:
         assert training is not None
         with self.memory.paused():
             train_state.load_rest(
-                latest.path, optimizer=training.optimizer, lr_scheduler=training.lr_scheduler, scaler=training.scaler, plan=self.plan, say=self.say
+                latest.path, optimizer=training.optimizer, lr_scheduler=training.lr_scheduler, scaler=training.scaler, plan=self.plan, say=self.say,
+                model=training.model, sharded=training.shards is not None,
             )
         self.memory.track(training.device_tensors()["optimizer_state"])
         self.progress.step = self.progress.last_checkpoint = self.progress.resumed_from = latest.step
@@ -238,7 +258,7 @@ class AttemptRun:
         self.last_checkpoint_time = time.monotonic()
         self.steps_in_process = 0
         while self.progress.step < self.job.train.max_steps:
-            if self.control.stop_requested:
+            if self._stop_agreed():
                 # Nothing to keep before the first step: the next attempt starts over.
                 if self._has_unsaved_steps():
                     self.save_checkpoint()
@@ -257,8 +277,17 @@ class AttemptRun:
                 return ending
         return None
 
+    def _stop_agreed(self) -> bool:
+        """Whether the ranks stop here (any rank was asked to: they all are, at about the same
+        moment); a time limit's signal on any rank counts for all."""
+        stop, time_limit = self.ranks.any([self.control.stop_requested, self.control.time_limit_signal_at is not None])
+        if time_limit and self.control.time_limit_signal_at is None:
+            self.control.time_limit_signal_at = time.monotonic()
+        return stop
+
     def _step(self) -> StepResult | Outcome:
-        """One optimizer step, or the Outcome of the OOM that stopped it."""
+        """One optimizer step, or the Outcome of the OOM that stopped it (of every rank: an OOM
+        of one rank before the gradients are averaged is all ranks', the first rank's figures)."""
         assert self.training is not None
         self.memory.begin_step(self.progress.step)
         self.memory.reset_peak()
@@ -267,7 +296,19 @@ class AttemptRun:
         except torch.OutOfMemoryError as error:
             # Keep only numbers and text: the traceback holds the step's tensors, and they
             # must be freed (when this returns) before anything else is allocated.
-            return self.oom_outcome(error)
+            oom = self.oom_outcome(error)
+        except PeerOutOfMemory:
+            oom = None
+        if self.ranks.solo:
+            return oom
+        if oom is not None:
+            if self.training.shards is not None or oom.phase not in IN_PROCESS_PHASES:
+                raise RankAlone(oom)
+            self.ranks.check_in(failed=True)  # where the other ranks wait to hear of it
+        agreed = Outcome.from_dict(self.ranks.first(oom.to_dict() if oom is not None else None))
+        if oom is None:
+            self.measurements.append(oom_measurement(self.current_plan(), agreed.memory, self.training, self.progress.step))
+        return agreed
 
     def _after_oom(self, oom: Outcome) -> Outcome | None:
         """After an OOM in a step: free what the step held and go on in this process when it
@@ -276,21 +317,31 @@ class AttemptRun:
         training = self.training
         assert training is not None
         free(training)
-        leftover = unfit_to_continue(self.memory, training.resident_bytes())
+        leftover = self.ranks.largest(unfit_to_continue(self.memory, training.resident_bytes()) or 0) or None
+        change = self.ranks.from_main(lambda: self._answer_to_oom(oom, leftover))
+        if change is None:
+            return self._end_on_oom(oom)
+        if change.get("restart"):
+            return self.replan(change, after=oom)
+        # A rung's change was announced as it was chosen; a step up's way back is now.
+        self._change_plan(change, announce="direction" in change)
+        return None
+
+    def _answer_to_oom(self, oom: Outcome, leftover: int | None) -> dict[str, Any] | None:
+        """Rank 0's answer to an OOM in a step: the change of plan (with "restart" when it takes
+        a new process), or None when the attempt ends on it."""
+        training = self.training
+        assert training is not None
         back = self.step_ups.after_oom(self.progress.step, training.plan, describe_oom(oom))
         if back is not None:
-            if not back["restart"] and leftover is None and oom.phase in IN_PROCESS_PHASES:
-                self._change_plan(back)
-                return None
-            back["restart"] = True  # half-updated weights, memory left behind, or a rung that needs it
-            return self.replan(back, after=oom)
-        if self._recover_in_process(oom, leftover):
-            return None
-        return self._end_on_oom(oom)
+            if back["restart"] or leftover is not None or oom.phase not in IN_PROCESS_PHASES:
+                back["restart"] = True  # half-updated weights, memory left behind, or a rung that needs it
+            return back
+        return self._recovery_in_process(oom, leftover)
 
-    def _recover_in_process(self, oom: Outcome, leftover: int | None) -> bool:
+    def _recovery_in_process(self, oom: Outcome, leftover: int | None) -> dict[str, Any] | None:
         """When this process can go on after ``oom`` (its step's tensors freed) and the doctor
-        has a rung for it, take that rung here (True)."""
+        has a rung for it, the change to that rung's plan."""
         training = self.training
         assert training is not None
         record = self.records.get(training.plan)
@@ -299,23 +350,21 @@ class AttemptRun:
             # Not the job's doing: no rung. The daemon waits for the memory to come back and
             # runs the same plan from the checkpoint.
             self.say(f"out of memory in {oom.phase} at step {self.progress.step}: {contention.describe()}; stopping for the daemon to wait")
-            return False
+            return None
         if leftover is not None:
             self.say(f"the failed step left {format_mib(leftover)} behind on the device: a new process must take over")
-            return False
+            return None
         if oom.phase not in IN_PROCESS_PHASES or not self.config.recover_in_process or len(self.recoveries) >= MAX_RECOVERIES:
-            return False
+            return None
         total = oom.memory.total if oom.memory else None
         recovery = decide_in_process(training.plan, self.measurements + _steady(self.records), self.job.policy(), total)
         if recovery is None:
-            return False
-        self.recoveries.append({
+            return None
+        self.say(f"out of memory in {oom.phase} at step {self.progress.step}; {recovery.reason}")
+        return {
             "step": self.progress.step, "from": training.plan.to_dict(), "to": recovery.plan.to_dict(), "reason": recovery.reason,
             "oom": describe_oom(oom),
-        })
-        self.say(f"out of memory in {oom.phase} at step {self.progress.step}; {recovery.reason}")
-        training.apply(recovery.plan)
-        return True
+        }
 
     def replan(self, change: dict[str, Any], after: Outcome | None = None) -> Outcome:
         """End the attempt for a new process to go on under ``change``'s plan (a step up, or the
@@ -354,30 +403,37 @@ class AttemptRun:
         if self.after_step is not None:
             self.after_step(training, self.progress.step)
         self.memory.publish()
-        report_step(
-            self.attempt_dir, metrics, self.progress, self.job.train.max_steps, result.loss, samples_per_s, self.memory, training.plan.short(), self.recoveries
-        )
+        if self.ranks.main:
+            report_step(
+                self.attempt_dir, metrics, self.progress, self.job.train.max_steps, result.loss, samples_per_s, self.memory, training.plan.short(),
+                self.recoveries,
+            )
         train = self.job.train
         due_by_steps = self.progress.step % train.checkpoint_every_steps == 0
-        due_by_time = train.checkpoint_every_seconds is not None and time.monotonic() - self.last_checkpoint_time >= train.checkpoint_every_seconds
+        due_by_time = train.checkpoint_every_seconds is not None and self.ranks.from_main(
+            lambda: time.monotonic() - self.last_checkpoint_time >= train.checkpoint_every_seconds
+        )
         if (due_by_steps or due_by_time) and self.progress.step < train.max_steps:
             self.save_checkpoint()
             self.last_checkpoint_time = time.monotonic()
-            up = self.step_ups.at_checkpoint(
-                self.progress.step, training.plan, self.recoveries, self.measurements + _steady(self.records), self.memory.capacity(),
+            capacity = self.ranks.smallest(self.memory.capacity())  # the plan must fit every rank
+            up = self.ranks.from_main(lambda: self.step_ups.at_checkpoint(
+                self.progress.step, training.plan, self.recoveries, self.measurements + _steady(self.records), capacity,
                 may_step=len(self.recoveries) < MAX_RECOVERIES,
-            )
+            ))
             if up is not None:
                 if up["restart"]:
                     return self.replan(up)
                 self._change_plan(up)
         return None
 
-    def _change_plan(self, change: dict[str, Any]) -> bool:
-        """Switch the running training to a step's plan (back up, or back down), recorded."""
+    def _change_plan(self, change: dict[str, Any], announce: bool = True) -> bool:
+        """Switch the running training to a step's plan (back up, or back down, or a rung after
+        an OOM, announced when it was chosen), recorded."""
         assert self.training is not None
         self.recoveries.append(change)
-        self.say(f"at step {change['step']}: {change['reason']}")
+        if announce:
+            self.say(f"at step {change['step']}: {change['reason']}")
         self.training.apply(Plan.from_dict(change["to"]))
         return True
 
@@ -385,21 +441,36 @@ class AttemptRun:
         return self.progress.last_checkpoint != self.progress.step and self.progress.step > 0
 
     def save_checkpoint(self) -> None:
+        """Rank 0 writes the checkpoint; with a sharded model every rank writes its shards into
+        it (rank 0 names the folder), and no rank goes on before it is complete."""
         training = self.training
         assert training is not None
         self.control.phase = "checkpoint"
         step = self.progress.step
+        sharded = training.shards is not None
+        if not self.ranks.main:
+            if sharded:
+                with self.memory.paused():
+                    train_state.save_shards(Path(self.ranks.from_main(None)), training.model, training.optimizer)
+            self.ranks.barrier()
+            self.progress.last_checkpoint = step
+            return
 
         def write_state(directory: Path) -> None:
+            groups = None
+            if sharded:
+                self.ranks.from_main(str(directory))
+                groups = train_state.save_shards(directory, training.model, training.optimizer)
             train_state.save(
                 directory,
-                weights=training.weights(),
+                weights=None if sharded else training.weights(),
                 optimizer=training.optimizer,
                 lr_scheduler=training.lr_scheduler,
                 scaler=training.scaler,
                 plan=training.plan,
                 step=step,
                 job_name=self.job.name,
+                shard_groups=groups,
             )
 
         train = self.job.train
@@ -409,6 +480,7 @@ class AttemptRun:
                 saved = checkpoints.save(
                     self.checkpoints_dir, step, training.plan.to_dict(), writing_into(write_state), train.keep_checkpoints, train.keep_every_steps,
                 )
+        self.ranks.barrier()
         self.progress.last_checkpoint = step
         self.say(f"checkpoint at step {step} ({saved.path.name})")
 
@@ -419,10 +491,31 @@ class AttemptRun:
         assert self.training is not None
         self.control.phase = "checkpoint"
         final_dir = self.config.workdir / "final"
-        with self.memory.paused(), room_for(final_dir.parent, final_need(self.training), "the final model"):
-            _save_final(self.trainer, self.training.final_model(), final_dir)
+        with self.memory.paused():
+            model = self._whole_model()
+            if self.ranks.main:
+                with room_for(final_dir.parent, final_need(self.training), "the final model"):
+                    _save_final(self.trainer, model, final_dir)
+        self.ranks.barrier()
         self.say(f"finished: {self.progress.step} steps; final model in {final_dir}")
         return Outcome(kind="finished", step=self.progress.step)
+
+
+    def _whole_model(self) -> torch.nn.Module | None:
+        """The final model on rank 0 (None on the others): a sharded model's shards gathered
+        (every rank takes part) into a model built on the host."""
+        training = self.training
+        assert training is not None
+        if training.shards is None:
+            return training.final_model() if self.ranks.main else None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        whole = get_model_state_dict(training.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.ranks.main:
+            return None
+        model = self.trainer.build_model()
+        model.load_state_dict(whole)
+        return model
 
 
 def _newest_usable(

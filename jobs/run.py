@@ -21,6 +21,8 @@ from pathlib import Path
 
 from oomguard.jobs.attempt import OUTCOME, AttemptConfig, Control, write_json_atomic
 from oomguard.jobs.bootstrap.oomguard_noise import quiet_optional_kernel_warnings
+from oomguard.jobs.ranks import RANK_ENV, rank_outcome_path, run_ranks
+from oomguard.strategies import rungs
 from oomguard.strategies.outcome import (
     EXIT_CRASHED,
     EXIT_DISK_FULL,
@@ -61,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"cannot run {attempt_dir / 'attempt.json'}: {problem}", file=sys.stderr)
         return EXIT_USAGE
+    rank = os.environ.get(RANK_ENV)
+    if config.plan.world_size > 1 and rank is None:
+        print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
+        return run_ranks(attempt_dir, config.plan.world_size)
 
     # The handler goes in before the slow imports: a SIGTERM that arrives while torch loads
     # must still end in a checkpoint and "interrupted", not in death by signal.
@@ -78,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGUSR1, time_limit_near)
-    print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
+    if rank is None:
+        print(f"attempt {config.number} of job {config.job.name}: plan {config.plan.short()}", flush=True)
 
     quiet_optional_kernel_warnings()
     if config.job.trainer == "unconditional":
@@ -95,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         print(tail, file=sys.stderr, flush=True)
         outcome = Outcome(kind="crashed", phase=control.phase, message=f"{type(error).__name__}: {error}", traceback_tail=tail)
     code = EXIT_CODE_BY_KIND[outcome.kind]
-    write_json_atomic(attempt_dir / OUTCOME, {**outcome.to_dict(), "exit_code": code})
-    if outcome.kind == "oom":
+    # A rank's outcome is its own; the ranks' runner (jobs/ranks.py) writes the attempt's.
+    written = attempt_dir / OUTCOME if rank is None else rank_outcome_path(attempt_dir, int(rank))
+    write_json_atomic(written, {**outcome.to_dict(), "exit_code": code})
+    if outcome.kind == "oom" and rank in (None, "0"):
         print(f"out of memory in {outcome.phase} at step {outcome.step}", flush=True)
     return code
 
@@ -122,9 +131,9 @@ def _plan_problem(config: AttemptConfig) -> str | None:
     plan, batch_size = config.plan, config.job.train.batch_size
     if plan.batch_size != batch_size:
         return f"the plan splits a batch of {plan.batch_size}, but the job's train.batch_size is {batch_size}"
-    if plan.world_size != 1:
-        return f"the plan is for {plan.world_size} processes; the built-in runner is one process (world_size 1)"
-    return None
+    if plan.world_size != config.job.resources.gpus:
+        return f"the plan is for {plan.world_size} processes, but the job runs one per GPU and asks for resources.gpus = {config.job.resources.gpus}"
+    return rungs.conflict(plan)
 
 
 if __name__ == "__main__":

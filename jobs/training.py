@@ -11,8 +11,8 @@ from __future__ import annotations
 import gc
 import time
 from contextlib import nullcontext
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from oomguard.jobs.attempt import Control
 from oomguard.jobs.ema import EmaWeights
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
+from oomguard.jobs.rank_group import RankGroup
 from oomguard.jobs.spec import JobSpec
 from oomguard.jobs.trainers.base import Trainer
 from oomguard.strategies import rungs
@@ -63,6 +64,10 @@ class Training:
     frozen_sizes: Callable[[], dict[str, int]] = dict
     # The average of the trained weights (train.ema), updated after every optimizer step.
     ema: EmaWeights | None = None
+    # The ranks this training is one of (a group of one for a single process), and where a
+    # sharded model keeps its shards: None (not sharded), "device" or "host".
+    ranks: RankGroup = field(default_factory=RankGroup)
+    shards: str | None = None
 
     def autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -72,9 +77,9 @@ class Training:
     def device_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The consumers of device memory, for the OOM breakdown."""
         return {
-            "parameters": list(self.model.parameters()),
-            "gradients": [p.grad for p in self.model.parameters() if p.grad is not None],
-            "optimizer_state": device_state_tensors(self.optimizer),
+            "parameters": local(self.model.parameters()),
+            "gradients": local(p.grad for p in self.model.parameters() if p.grad is not None),
+            "optimizer_state": local(device_state_tensors(self.optimizer)),
             "frozen": self.frozen(),
             "ema": self.ema.device_tensors() if self.ema is not None else [],
         }
@@ -88,11 +93,11 @@ class Training:
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
             return sum(storages.values())
 
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        trainable = local(p for p in self.model.parameters() if p.requires_grad)
         return {
-            "parameters": total(list(self.model.parameters())),
+            "parameters": total(local(self.model.parameters())),
             "trainable": sum(p.numel() * p.element_size() for p in trainable),
-            "optimizer_state": total(device_state_tensors(self.optimizer)),
+            "optimizer_state": total(local(device_state_tensors(self.optimizer))),
             "frozen": total(self.frozen()),
             **{f"{FROZEN_SIZE_PREFIX}{part}": size for part, size in self.frozen_sizes().items()},
             **({"ema": total(self.ema.device_tensors()), EMA_SIZE: self.ema.nbytes()} if self.ema is not None else {}),
@@ -101,7 +106,7 @@ class Training:
     def resident_bytes(self) -> int:
         """What should stay on the device between steps: parameters, buffers, the optimizer's
         device state, the frozen parts and the EMA (gradients are dropped after every step)."""
-        tensors = [*self.model.parameters(), *self.model.buffers(), *device_state_tensors(self.optimizer), *self.frozen()]
+        tensors = local([*self.model.parameters(), *self.model.buffers(), *device_state_tensors(self.optimizer), *self.frozen()])
         if self.ema is not None:
             tensors += self.ema.device_tensors()
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -141,15 +146,25 @@ class Training:
         self.plan = plan
 
 
+def local(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors this rank holds: a sharded tensor's (DTensor's) own shard, others as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+
+
 def build_training(
-    trainer: Trainer, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, weights: ModelWeights | None = None
+    trainer: Trainer, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, weights: ModelWeights | None = None,
+    ranks: RankGroup | None = None,
 ) -> Training:
     """The model (the trainer seeds it: same initial weights every time, unless ``weights``
     are given), adapted and quantized as ``plan`` says, and its optimizer.
 
     The model is put together on the host and then moved, so a full-precision base that the
-    plan quantizes never occupies the device.
+    plan quantizes never occupies the device. A plan's sharding rung shards it across the
+    ranks as it moves (each rank builds the same whole model and keeps its shard).
     """
+    ranks = ranks if ranks is not None else RankGroup()
     from diffusers.optimization import get_scheduler
 
     from oomguard.jobs.adapters import load_adapter_state_dict
@@ -170,8 +185,14 @@ def build_training(
             # Adapters of this plan's rank (others were merged into the base above).
             load_adapter_state_dict(model, weights.adapters)
     trainer.place_frozen(plan, device, memory)
-    model = model.to(device)
-    memory.move_in(model.parameters())
+    shards = None
+    if ranks.solo:
+        model = model.to(device)
+    else:
+        with memory.paused():
+            model = model.to(device) if (shards := rungs.shard_model(plan, model, ranks.mesh(device))) is None else model
+    if shards != "host":
+        memory.move_in(local(model.parameters()))
     rungs.configure_model(plan, model)
     optimizer = build_optimizer(plan, model, job.train.learning_rate, job.train.weight_decay, memory)
     lr_scheduler = get_scheduler(
@@ -180,7 +201,10 @@ def build_training(
     autocast_dtype = rungs.autocast_dtype(plan, device)
     # fp16 overflows where fp32 and bf16 do not: its gradients need a scaler.
     scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
-    training = Training(plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state, trainer.frozen_tensors, trainer.frozen_sizes)
+    training = Training(
+        plan, model, optimizer, lr_scheduler, scaler, autocast_dtype, device, base_state, trainer.frozen_tensors, trainer.frozen_sizes,
+        ranks=ranks, shards=shards,
+    )
     if job.train.ema:
         training.ema = _start_ema(training, job.train.ema_decay, memory, weights.ema if weights is not None else None)
     return training
@@ -275,22 +299,25 @@ class StepResult:
 
 
 def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemory, control: Control) -> StepResult:
-    """One optimizer step over the whole effective batch, in micro-batches."""
-    plan, model = training.plan, training.model
+    """One optimizer step over the whole effective batch, in micro-batches: this rank's share of
+    it (all of it for a single process), the gradients averaged over the ranks."""
+    plan, model, ranks = training.plan, training.model, training.ranks
     started = time.perf_counter()
     control.phase = "data"
     with memory.paused():
         inputs = trainer.step_inputs(step)
     model.train()
     total = 0.0
-    start = 0
+    # This rank's share: samples rank * share .. (rank + 1) * share - 1 of the step's batch.
+    start = ranks.rank * plan.per_rank_batch
     for size in plan.micro_batch_sizes():
         control.phase = "forward"
         with training.autocast():
             loss = trainer.slice_loss(model, inputs, start, start + size, training.device)
-        # Weight by the slice's share of samples: the sum of the slices' gradients is then
-        # the gradient of the whole batch's mean loss, however the batch was split.
-        weighted = loss * (size / inputs.size)
+        # Weight by the slice's share of this rank's samples: the sum of the slices' gradients
+        # is then the gradient of the rank's mean loss, however its share was split, and their
+        # average over the ranks (equal shares) that of the whole batch's mean loss.
+        weighted = loss * (size / plan.per_rank_batch)
         control.phase = "backward"
         if training.scaler is not None:
             training.scaler.scale(weighted).backward()
@@ -298,15 +325,23 @@ def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemo
             weighted.backward()
         total += weighted.item()
         start += size
+    if training.shards is None:
+        # Unsharded: the ranks meet here, and learn of an OOM in any rank's forward or
+        # backward, before they average (a sharded model averaged inside backward).
+        ranks.check_in(failed=False)
+        control.phase = "optimizer"
+        ranks.average_gradients(model.parameters())
     for parameter in trainer.zero_gradient_parameters(model):
         if parameter.grad is not None:
             parameter.grad.zero_()
     control.phase = "optimizer"
-    if training.scaler is not None:
-        training.scaler.step(training.optimizer)
-        training.scaler.update()
-    else:
-        training.optimizer.step()
+    # Shards kept on the host are updated there, outside the device's count.
+    with memory.paused() if training.shards == "host" else nullcontext():
+        if training.scaler is not None:
+            training.scaler.step(training.optimizer)
+            training.scaler.update()
+        else:
+            training.optimizer.step()
     training.lr_scheduler.step()
     training.optimizer.zero_grad(set_to_none=True)
     if training.ema is not None:
@@ -314,4 +349,5 @@ def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemo
         training.ema.update(training.trained_weights(), step + 1)
     if training.device.type == "cuda":
         torch.cuda.synchronize(training.device)
-    return StepResult(loss=total, seconds=time.perf_counter() - started)
+    # The whole batch's loss, the same on every rank (so they agree on a divergence).
+    return StepResult(loss=ranks.mean(total), seconds=time.perf_counter() - started)

@@ -76,7 +76,8 @@ def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) 
             if new is not None and new not in shapes:
                 shapes.add(new)
                 frontier.append(new)
-    plans = shapes
+    # A combination the runner cannot run (sharding with LoRA, say) is no candidate.
+    plans = {plan for plan in shapes if rungs.conflict(plan) is None}
     for r in usable:
         if r.role == "batch" and r.choices is not None:
             values = list(r.choices(start))

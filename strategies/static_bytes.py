@@ -55,10 +55,10 @@ def full_parameter_bytes(shape: Plan, static: dict[str, int]) -> float | None:
         return None
     terms = terms_of(shape)
     adapter_share = first_given(t.adapter_share for t in terms)
-    share = 1.0
+    share = math.prod(t.parameter_share for t in terms)
     if adapter_share is not None:
         base_share = first_given(t.base_share for t in terms)
-        share = adapter_share + (base_share if base_share is not None else 1.0)
+        share *= adapter_share + (base_share if base_share is not None else 1.0)
     return parameters / share
 
 
@@ -107,10 +107,11 @@ def static_bytes(
     on_device = all(t.optimizer_on_device for t in terms)
     optimizer = trainable * (per_byte if per_byte is not None else ADAMW_STATE_PER_PARAMETER_BYTE) if on_device else 0.0
     casts = parameters * sum(t.cast_share for t in terms)
+    # Sharding: each rank keeps its share of each (1.0 without).
     return StaticBytes(
-        parameters=parameters,
-        gradients=trainable,
-        optimizer_state=optimizer,
+        parameters=parameters * math.prod(t.parameter_share for t in terms),
+        gradients=trainable * math.prod(t.gradient_share for t in terms),
+        optimizer_state=optimizer * math.prod(t.optimizer_share for t in terms),
         casts=casts,
         frozen=frozen_on_device(shape, frozen or {}),
         ema=ema if all(t.ema_on_device for t in terms) else 0.0,

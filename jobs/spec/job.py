@@ -87,7 +87,8 @@ class JobSpec:
         """The plan the first attempt runs with: the whole batch at once unless
         ``train.micro_batch`` says otherwise."""
         if self.command is None:
-            return Plan.initial(self.train.batch_size, self.train.mixed_precision, self.train.micro_batch)
+            # The built-in runner starts one process per GPU (data parallel).
+            return Plan.initial(self.train.batch_size, self.train.mixed_precision, self.train.micro_batch, world_size=self.resources.gpus)
         # A script runs micro_batch x grad_accum samples on each of its processes.
         return Plan.initial(
             self.train.batch_size, self.train.mixed_precision, self.train.micro_batch, world_size=self.command.processes, even_slices=True,
@@ -115,12 +116,16 @@ class JobSpec:
         no whole model to turn into LoRA; only a text-to-image job has frozen encoders; only a
         job with train.ema keeps an average of its weights ("ema")."""
         ema = ("ema",) if self.train.ema else ()
+        # The sharding rungs shard a built-in trainer's whole model; an average of the weights
+        # (train.ema) is not sharded.
+        shardable = ("shardable",) if self.command is None and not self.train.ema else ()
         if isinstance(self.model, PipelineSpec):
             fixed_crops = isinstance(self.data, CaptionedDataSpec) and self.data.center_crop
             return frozenset({
-                "frozen_parts", *(() if self.model.trains_adapters else ("full_model",)), *(("fixed_crops",) if fixed_crops else ()), *ema
+                "frozen_parts", *(() if self.model.trains_adapters else ("full_model",)), *(("fixed_crops",) if fixed_crops else ()), *ema,
+                *shardable,
             })
-        return WHOLE_MODEL | frozenset(ema)
+        return WHOLE_MODEL | frozenset((*ema, *shardable))
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
@@ -234,6 +239,8 @@ def parse_job(ctx: ReadContext, raw: Mapping[str, Any], source_path: str | None)
     train = _train_table(top, command)
     ladder = _optional_table(top, "ladder", parse_ladder, LadderSpec)
     resources = _optional_table(top, "resources", parse_resources, ResourcesSpec)
+    if command is None and resources.gpus > 1:
+        _check_built_in_ranks(top, train, resources.gpus)
     notify = _optional_table(top, "notify", parse_notify, NotifySpec)
     return JobSpec(
         name=name,
@@ -309,6 +316,24 @@ def _train_table(top: Section, command: CommandSpec | None) -> TrainSpec:
     elif train.learning_rate is None:
         raise section.fail("learning_rate", "required key is missing (e.g. learning_rate = 1e-4)")
     return train
+
+
+def _check_built_in_ranks(top: Section, train: TrainSpec, gpus: int) -> None:
+    """A built-in job on several GPUs runs one process per GPU, each on an equal share of
+    train.batch_size (data parallel): the batch must split evenly, and a micro_batch given
+    must fit one share."""
+    section = top.table("resources", required=False)
+    assert section is not None  # gpus > 1 was read from it
+    if train.batch_size % gpus:
+        raise section.fail(
+            "gpus", f"train.batch_size = {train.batch_size} cannot be split evenly over {gpus} GPUs (one process each); "
+            f"make the batch a multiple of {gpus}, or ask for a number of GPUs that divides it",
+        )
+    if train.micro_batch is not None and train.micro_batch > train.batch_size // gpus:
+        raise section.fail(
+            "gpus", f"train.micro_batch = {train.micro_batch} is more than each of the {gpus} processes' share of the batch "
+            f"({train.batch_size // gpus}); lower micro_batch to at most {train.batch_size // gpus}",
+        )
 
 
 _Table = TypeVar("_Table")

@@ -29,6 +29,9 @@ from oomguard.strategies.rungs import (
     offload_frozen,
     optimizer_8bit,
     precision,
+    shard_offload,
+    shard_optimizer,
+    shard_params,
     vae_slicing,
     vae_tiling,
 )
@@ -36,6 +39,9 @@ from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung
 
 # The order is the ladder's. The caches come first: exact, and they make steps faster. The
 # approximate rungs go from the least invasive (the frozen encoders' precision) to the most.
+# Sharding (exact, for jobs on two or more processes) comes before the offloads: it frees the
+# same state without the host's copies and updates; keeping the shards on the host
+# (shard_offload) is the slowest exact rung.
 _LADDER: tuple[Rung, ...] = (
     allocator.RUNG,
     cache_text.RUNG,
@@ -43,10 +49,13 @@ _LADDER: tuple[Rung, ...] = (
     micro_batch.RUNG,
     checkpointing.RUNG,
     attention.RUNG,
+    shard_optimizer.RUNG,
+    shard_params.RUNG,
     vae_slicing.RUNG,
     ema_offload.RUNG,
     offload_frozen.RUNG,
     offload.RUNG,
+    shard_offload.RUNG,
     vae_tiling.RUNG,
     frozen_half.RUNG,
     precision.RUNG,
@@ -145,6 +154,17 @@ def autocast_dtype(plan: Plan, device: Any) -> Any:
         if dtype is not None:
             return dtype
     return None
+
+
+def conflict(plan: Plan) -> str | None:
+    """Why ``plan`` combines rungs that cannot run together, or None."""
+    return next((reason for r in _LADDER if r.is_on(plan) and (reason := r.conflict(plan)) is not None), None)
+
+
+def shard_model(plan: Plan, model: Any, mesh: Any) -> str | None:
+    """Shard ``model`` across ``mesh`` as ``plan``'s sharding rung says; where the shards live
+    ("device", "host"), or None when the plan shards nothing."""
+    return next((where for r in _LADDER if (where := r.shard_model(plan, model, mesh)) is not None), None)
 
 
 def ema_on_host(plan: Plan) -> bool:

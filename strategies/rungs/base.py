@@ -61,6 +61,11 @@ class MemoryTerms:
     cast_share: float = 0.0
     frozen_dropped: frozenset[FrozenPart] = frozenset()
     frozen_scale: float = 1.0
+    # The shares of the parameters, gradients and optimizer state one rank keeps on its device
+    # under sharding (strategies/rungs/sharding.py); 1.0: a whole copy.
+    parameter_share: float = 1.0
+    gradient_share: float = 1.0
+    optimizer_share: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -168,6 +173,14 @@ def _no_label(plan: Plan) -> str | None:
     return None
 
 
+def _no_conflict(plan: Plan) -> str | None:
+    return None
+
+
+def _not_sharded(plan: Plan, model: Any, mesh: Any) -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class Rung:
     """One memory saving of the ladder.
@@ -223,6 +236,12 @@ class Rung:
     frozen: Callable[[Plan, FrozenHandling], FrozenHandling] = _frozen_unchanged
     # True: the average of the trained weights (train.ema) lives and is updated in host memory.
     ema_on_host: Callable[[Plan], bool] = _ema_beside_weights
+    # Shards a built model (on the host) across a device mesh (FSDP2) when the plan asks, and
+    # says where the shards live: "device" or "host"; None: not sharded.
+    shard_model: Callable[[Plan, Any, Any], str | None] = _not_sharded
+    # Why a plan with this rung on cannot run with the rest of the plan (None: it can). The
+    # planner never offers such a plan; the runner refuses one.
+    conflict: Callable[[Plan], str | None] = _no_conflict
     # None: a command job never takes it.
     command: CommandSide | None = None
     # Taken only once every chained rung before it on the ladder (of those allowed) is taken:

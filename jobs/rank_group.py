@@ -1,0 +1,170 @@
+"""The ranks of one attempt as the training loop sees them: who this process is, and the few
+collectives by which the ranks agree (jobs/ranks.py starts them).
+
+Every decision that changes what the ranks do next is rank 0's, passed to the others
+(``from_main``): a plan change after an OOM, a step up, a checkpoint due by time. Flags any
+rank may raise (a stop requested, an OOM before the gradients are averaged) are combined
+(``any``), so that all ranks take the same branch and meet in the same collectives. A single
+process is a group of one, whose collectives return their input: the loop has one code path.
+
+The gradients of a data-parallel (unsharded) plan are averaged after the whole step's
+backward, not inside it as DistributedDataParallel does: an OOM in one rank's forward or
+backward then leaves the others at the check-in before the average, where all ranks learn of
+it and recover together in-process. FSDP's collectives are inside forward and backward, so a
+sharded plan's OOM ends its rank and the others are torn down (jobs/ranks.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+
+from oomguard.jobs.ranks import RANK_ENV
+
+T = TypeVar("T")
+# How long a collective may wait for a rank before it fails (a rank that died is found by
+# jobs/ranks.py in seconds; this only bounds a hang that nothing else ends).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class PeerOutOfMemory(Exception):
+    """Another rank ran out of memory in this step, before the gradients were averaged."""
+
+
+class RankGroup:
+    """This process's rank among ``world_size`` (a group of one without torch.distributed)."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._mesh: Any = None
+
+    @classmethod
+    def from_environment(cls) -> RankGroup:
+        if RANK_ENV not in os.environ:
+            return cls()
+        return cls(int(os.environ[RANK_ENV]), int(os.environ["WORLD_SIZE"]))
+
+    @property
+    def solo(self) -> bool:
+        return self.world_size == 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def device(self) -> torch.device:
+        """This rank's device: its own GPU of the attempt's (CUDA_VISIBLE_DEVICES lists them in
+        rank order), or the CPU."""
+        if torch.cuda.is_available():
+            index = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    def start(self, device: torch.device) -> None:
+        if self.solo:
+            return
+        import torch.distributed as dist
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
+
+    def close(self) -> None:
+        if not self.solo:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+    def mesh(self, device: torch.device) -> Any:
+        """The device mesh FSDP shards over: every rank, one dimension."""
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(device.type, (self.world_size,))
+        return self._mesh
+
+    # -- agreement -------------------------------------------------------------------------
+
+    def from_main(self, value: T | Callable[[], T]) -> T:
+        """Rank 0's value (a callable is called on rank 0 only), on every rank."""
+        if self.main:
+            value = value() if callable(value) else value
+        if self.solo:
+            return value  # type: ignore[return-value]
+        import torch.distributed as dist
+
+        box = [value if self.main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]  # type: ignore[return-value]
+
+    def any(self, flags: Iterable[bool]) -> list[bool]:
+        """For each flag: whether any rank raised it."""
+        values = [int(flag) for flag in flags]
+        return [bool(v) for v in self._reduce(values, "max")]
+
+    def largest(self, value: int) -> int:
+        return int(self._reduce([value], "max")[0])
+
+    def smallest(self, value: int | None) -> int | None:
+        """The least of the ranks' values (None: no rank has one): the device capacity the
+        ranks' plan must fit is the smallest rank's."""
+        least = -self._reduce([-(value if value is not None else float("inf"))], "max")[0]
+        return None if least == float("inf") else int(least)
+
+    def mean(self, value: float) -> float:
+        return float(self._reduce([value], "sum")[0]) / self.world_size
+
+    def first(self, value: T | None) -> T | None:
+        """The value of the lowest rank that has one (not None)."""
+        if self.solo:
+            return value
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return next((v for v in gathered if v is not None), None)
+
+    def check_in(self, failed: bool) -> None:
+        """Where the ranks meet after a step's backward: raises PeerOutOfMemory on the ranks
+        that did not fail when another did."""
+        if self.any([failed])[0] and not failed:
+            raise PeerOutOfMemory("another rank ran out of memory in this step")
+
+    def barrier(self) -> None:
+        if not self.solo:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def _reduce(self, values: list[float], how: str) -> list[float]:
+        if self.solo:
+            return values
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.SUM)
+        return tensor.tolist()
+
+    def _collective_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    # -- data parallelism ------------------------------------------------------------------
+
+    def average_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
+        """Average the gradients of an unsharded model over the ranks, in place, tensor by
+        tensor: no flat buffer, so the step needs no memory beyond the gradients themselves
+        (what the memory model counts for a data-parallel plan)."""
+        if self.solo:
+            return
+        import torch.distributed as dist
+
+        for parameter in parameters:
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad)
+                parameter.grad /= self.world_size
