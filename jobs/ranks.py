@@ -7,8 +7,9 @@ Each rank is ``python -m oomguard.jobs.run ATTEMPT_DIR`` with torch.distributed'
 ``ranks/RANK.json``. The ranks agree on every decision (jobs/rank_group.py), so in a normal
 end all of them end together and rank 0's outcome is the attempt's. A rank that ends on its
 own (its OOM inside a collective of a sharded model, a crash, the kernel's OOM killer) leaves
-the others waiting in a collective that never completes: they are killed ``TEARDOWN_SECONDS``
-later and the first rank's outcome is the attempt's.
+the others in a collective that fails (gloo sees the connection close) or never completes:
+they are killed ``TEARDOWN_SECONDS`` later, and the outcome of the rank that ended the attempt
+is the attempt's.
 """
 
 from __future__ import annotations
@@ -107,22 +108,30 @@ def _wait(processes: list[subprocess.Popen[bytes]]) -> list[RankEnd]:
 
 
 def attempt_outcome(attempt_dir: Path, ends: list[RankEnd]) -> dict[str, Any]:
-    """The attempt's outcome (with its exit_code) from the ranks' ends: rank 0's when no rank
-    was torn down, else the first rank's to end (what ended the attempt)."""
-    torn_down = [end.rank for end in ends if end.torn_down]
-    deciding = next(end for end in ends if end.rank == 0) if not torn_down else ends[0]
-    outcome = _read(rank_outcome_path(attempt_dir, deciding.rank))
+    """The attempt's outcome (with its exit_code) from the ranks' ends: rank 0's when every rank
+    ended the same way by itself (the ranks agreed); else the outcome that ended the attempt:
+    the first rank's to end, a rank's own end (an OOM, a full disk) before a crash, which is
+    what a collective does when its peer has gone."""
+    outcomes = {end.rank: _read(rank_outcome_path(attempt_dir, end.rank)) for end in ends}
+    kinds = {(outcome or {}).get("kind") for outcome in outcomes.values()}
+    agreed = len(kinds) == 1 and None not in kinds and not any(end.torn_down for end in ends)
+    if agreed:
+        deciding = next(end for end in ends if end.rank == 0)
+    else:
+        deciding = min(ends, key=lambda end: ((outcomes[end.rank] or {}).get("kind", "crashed") == "crashed", end.at))
+    outcome = outcomes[deciding.rank]
     if outcome is None:
         how = f"was killed by signal {-deciding.returncode}" if deciding.returncode < 0 else f"exited with code {deciding.returncode}"
         outcome = {
             "kind": "crashed", "message": f"rank {deciding.rank} of {len(ends)} {how} without an outcome", "exit_code": EXIT_CRASHED,
         }
-    if torn_down:
-        ranks = ", ".join(str(rank) for rank in torn_down)
-        outcome["message"] = (
-            f"{outcome.get('message') or outcome['kind']} (rank {deciding.rank} ended first; rank(s) {ranks} were stopped "
-            f"{TEARDOWN_SECONDS:.0f} s later)"
+    if not agreed:
+        others = "; ".join(
+            f"rank {end.rank} stopped {TEARDOWN_SECONDS:.0f} s after the first end" if end.torn_down
+            else f"rank {end.rank} then ended: {(outcomes[end.rank] or {}).get('kind', 'no outcome')}"
+            for end in ends if end is not deciding
         )
+        outcome["message"] = f"{outcome.get('message') or outcome['kind']} (rank {deciding.rank} ended it; {others})"
     outcome.setdefault("exit_code", next((code for code, kind in KIND_BY_EXIT_CODE.items() if kind == outcome["kind"]), EXIT_CRASHED))
     return outcome
 

@@ -104,3 +104,24 @@ def test_one_ranks_oom_brings_every_rank_to_the_same_new_plan_in_process(tmp_pat
     assert [line["step"] for line in lines] == list(range(1, 7))
     assert time.monotonic() - started < 120
     assert_weights_allclose(load_final(tmp_path / "work"), load_final(alone))
+
+
+def test_a_sharded_ranks_oom_ends_it_and_the_others_are_stopped_within_seconds(tmp_path):
+    """Inside a sharded model's collectives the other ranks cannot hear of an OOM: the rank that
+    ran out ends with it, and the ranks' runner stops the others TEARDOWN_SECONDS later. The
+    attempt's outcome is that OOM (for the doctor), not a crash."""
+    from oomguard.jobs.ranks import TEARDOWN_SECONDS, rank_outcome_path
+
+    folder = EmulatedGpuFolder(tmp_path / "gpus").create((EmulatedGpu(0, 64 * 2**20), EmulatedGpu(1, 600_000)))
+    job = on_gpus(tiny_job(max_steps=6, checkpoint_every_steps=2), 2)
+    attempt = tmp_path / "attempt"
+    attempt.mkdir()
+    write_attempt(attempt, job, tmp_path / "work", plan=plan_for(2, "shard_params", micro_batch=4))
+    with running_runner(attempt, {EMULATED_GPUS_ENV: str(folder.root), "CUDA_VISIBLE_DEVICES": "0,1"}) as process:
+        assert process.wait(timeout=300) == 3, (attempt / "output.log").read_text()  # EXIT_OOM
+    outcome = json.loads((attempt / "outcome.json").read_text())
+    assert outcome["kind"] == "oom", outcome
+    assert "(rank 1 ended it; rank 0 " in outcome["message"]
+    assert "GPU 1 has a total capacity of 585.94 KiB" in outcome["message"]  # rank 1's own figures
+    ended_alone = rank_outcome_path(attempt, 1).stat().st_mtime
+    assert (attempt / "outcome.json").stat().st_mtime - ended_alone < TEARDOWN_SECONDS + 5
