@@ -36,7 +36,18 @@ from oomguard.jobs.step_report import Progress, report_step
 from oomguard.jobs.step_ups import StepUps
 from oomguard.jobs.trainers import make_trainer
 from oomguard.jobs.trainers.base import Trainer
-from oomguard.jobs.training import StepResult, Training, build_training, free, one_step, oom_measurement, unfit_to_continue
+from oomguard.jobs.training import (
+    IN_PROCESS_PHASES,
+    RankAlone,
+    StepResult,
+    Training,
+    agreed_oom,
+    build_training,
+    free,
+    one_step,
+    oom_measurement,
+    unfit_to_continue,
+)
 from oomguard.strategies.contention import find_contention
 from oomguard.strategies.doctor import decide_in_process, describe_oom
 from oomguard.strategies.memory_model import Measurement, MemoryModel
@@ -47,23 +58,10 @@ from oomguard.strategies.units import format_mib
 # In-process rung changes per attempt, at most (each one excludes a plan, so the ladder ends
 # well before; this bounds it regardless).
 MAX_RECOVERIES = 32
-# Where an OOM leaves the training as it was before the step (nothing applied): the process may
-# go on. One in optimizer.step may have updated some weights: the last checkpoint stands.
-IN_PROCESS_PHASES = ("data", "forward", "backward")
 
 # Called after each optimizer step with the Training and the step count, before the step is
 # reported or checkpointed (jobs/run.py hooks in jobs/faults.py this way).
 StepHook = Callable[[Training, int], None]
-
-
-class RankAlone(Exception):
-    """This rank ran out of memory where the other ranks cannot learn of it (inside a sharded
-    model's collectives, or after the check-in): it ends alone, and jobs/ranks.py stops the
-    others. Holds the Outcome."""
-
-    def __init__(self, outcome: Outcome) -> None:
-        super().__init__(outcome.message)
-        self.outcome = outcome
 
 
 @dataclass
@@ -194,8 +192,7 @@ class AttemptRun:
         # Before the probe: what it measures, and what it counts as left behind, is on top.
         self.control.phase = "setup"
         self.trainer.place_frozen(self.plan, self.device, self.memory)
-        # The probe builds plan after plan in one process; ranks go by their first plan.
-        if self.config.probe and latest is None and self.ranks.solo:
+        if self.config.probe and latest is None:
             failure = self._probe()
             if failure is not None:
                 return failure
@@ -210,13 +207,13 @@ class AttemptRun:
         return None
 
     def _probe(self) -> Outcome | None:
-        probed = run_probe(self.trainer, self.job, self.plan, self.device, self.memory, self.control, self.say)
+        probed = run_probe(self.trainer, self.job, self.plan, self.device, self.memory, self.control, self.say, self.ranks)
         self.measurements.extend(probed.measurements)
         if probed.plan != self.plan:
             # Left for lack of room (what the probe measured says the job's own plan does not fit),
             # or only because another plan is faster, or for want of a measurement: then it is not
             # a plan to step back up to (at the same room it would be a step into the unknown).
-            capacity = self.memory.capacity()
+            capacity = self.ranks.smallest(self.memory.capacity())
             for_room = capacity is not None and MemoryModel(probed.measurements).fits(self.plan, capacity) is False
             self.recoveries.append(
                 {"step": 0, "from": self.plan.to_dict(), "to": probed.plan.to_dict(), "reason": probed.reason, "for_room": for_room}
@@ -299,14 +296,9 @@ class AttemptRun:
             oom = self.oom_outcome(error)
         except PeerOutOfMemory:
             oom = None
-        if self.ranks.solo:
-            return oom
-        if oom is not None:
-            if self.training.shards is not None or oom.phase not in IN_PROCESS_PHASES:
-                raise RankAlone(oom)
-            self.ranks.check_in(failed=True)  # where the other ranks wait to hear of it
-        agreed = Outcome.from_dict(self.ranks.first(oom.to_dict() if oom is not None else None))
-        if oom is None:
+        agreed = agreed_oom(self.ranks, self.training.shards is not None, oom)
+        assert agreed is not None  # some rank failed
+        if oom is None:  # another rank's: what this one measures too
             self.measurements.append(oom_measurement(self.current_plan(), agreed.memory, self.training, self.progress.step))
         return agreed
 

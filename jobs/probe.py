@@ -6,6 +6,12 @@ from the same weights as without a probe) and two steps: the first creates the o
 state, the second is measured. The first plan measured is the job's shape at micro-batch 1,
 the cheapest step it has; the memory model then names the plan to try next (usually the
 largest micro-batch that fits), which is measured too before it is trusted.
+
+A job on several processes probes with all of them, in step: each plan is built and stepped on
+every rank, an OOM on any rank is every rank's (jobs/training.py agreed_oom), and a measurement
+is the largest peak, the smallest capacity and the slowest step of the ranks, so every rank
+makes the same choices. A sharded plan is not measured (an OOM inside its collectives ends the
+attempt): when the model's best choice is one, the probe starts there on its prediction.
 """
 
 from __future__ import annotations
@@ -17,9 +23,10 @@ import torch
 
 from oomguard.jobs.attempt import Control
 from oomguard.jobs.memory_cap import DeviceMemory
+from oomguard.jobs.rank_group import PeerOutOfMemory, RankGroup
 from oomguard.jobs.spec import JobSpec
 from oomguard.jobs.trainers.base import Trainer
-from oomguard.jobs.training import Training, build_training, free, one_step, oom_measurement, unfit_to_continue
+from oomguard.jobs.training import Training, agreed_oom, build_training, free, one_step, oom_measurement, unfit_to_continue
 from oomguard.strategies import planner, rungs
 from oomguard.strategies.memory_model import Measurement, MemoryModel, shape_of
 from oomguard.strategies.outcome import Outcome
@@ -45,14 +52,17 @@ class ProbeResult:
 
 
 def measure(
-    trainer: Trainer, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, control: Control, *, warm_steps: int = 1
+    trainer: Trainer, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, control: Control, *, warm_steps: int = 1,
+    ranks: RankGroup | None = None,
 ) -> tuple[Measurement, Outcome | None]:
     """Build ``plan`` fresh, run ``warm_steps`` unmeasured steps and one measured step; the
-    OOM as an Outcome too when it did not fit."""
+    OOM as an Outcome too when it did not fit (on any of ``ranks``)."""
+    ranks = ranks if ranks is not None else RankGroup()
     training: Training | None = None
-    failure: tuple[Measurement, Outcome] | None = None
+    ran: Measurement | None = None
+    oom: Outcome | None = None
     try:
-        training = build_training(trainer, job, plan, device, memory)
+        training = build_training(trainer, job, plan, device, memory, ranks=ranks)
         for _ in range(warm_steps):
             one_step(trainer, training, 0, memory, control)
         memory.reset_peak()
@@ -60,24 +70,27 @@ def measure(
         ran = Measurement(
             plan=plan,
             fits=True,
-            peak_bytes=memory.peak_bytes() or 0,
-            capacity=memory.capacity(),
-            samples_per_s=plan.batch_size / result.seconds,
+            peak_bytes=ranks.largest(memory.peak_bytes() or 0),
+            capacity=ranks.smallest(memory.capacity()),
+            samples_per_s=plan.batch_size / ranks.longest(result.seconds),
             static=training.static_bytes(),
             step=0,
         )
-        return ran, None
     except torch.OutOfMemoryError as error:
         figures = memory.oom_figures(str(error))
-        failure = (
-            oom_measurement(plan, figures, training, 0),
-            Outcome(kind="oom", step=0, phase=control.phase, memory=figures, message=str(error)),
-        )
-    finally:
-        # The model and optimizer die here (nothing returned holds a tensor).
-        training = None
-        free()
-    return failure
+        oom = Outcome(kind="oom", step=0, phase=control.phase, memory=figures, message=str(error))
+    except PeerOutOfMemory:
+        pass
+    failure: tuple[Measurement, Outcome] | None = None
+    if ran is None:
+        free(training)  # the failed step's gradients, before the ranks meet
+        agreed = agreed_oom(ranks, False, oom)
+        assert agreed is not None  # some rank failed
+        failure = oom_measurement(plan, agreed.memory, training, 0), agreed
+    # The model and optimizer die here (nothing returned holds a tensor).
+    training = None
+    free()
+    return (ran, None) if ran is not None else failure  # type: ignore[return-value]
 
 
 def calibration_plans(first: Plan, allow: tuple[str, ...]) -> list[Plan]:
@@ -102,10 +115,12 @@ def run_probe(
     memory: DeviceMemory,
     control: Control,
     say: Callable[[str], None],
+    ranks: RankGroup | None = None,
 ) -> ProbeResult:
+    ranks = ranks if ranks is not None else RankGroup()
     policy = job.policy()
     origin = (policy.initial or start).replace(allocator=start.allocator)
-    capacity = memory.capacity()
+    capacity = ranks.smallest(memory.capacity())
     if capacity is None:
         return ProbeResult(start, (), "no memory limit known (no GPU and no emulated cap): nothing to probe against")
     candidates = planner.candidate_plans(origin, policy.allow)
@@ -121,10 +136,12 @@ def run_probe(
     calibrations: list[Plan] | None = None
     clean = memory.live_bytes() or 0
     while next_plan is not None and len(measurements) < MAX_PROBED_PLANS:
-        measured, oom = measure(trainer, job, next_plan, device, memory, control)
+        if not ranks.solo and rungs.sharded(next_plan):
+            return ProbeResult(next_plan, tuple(measurements), f"probe: start at [{next_plan.short()}] as the memory model predicts (sharded plans are measured by training)")
+        measured, oom = measure(trainer, job, next_plan, device, memory, control, ranks=ranks)
         measurements.append(measured)
         last_oom = oom or last_oom
-        leftover = unfit_to_continue(memory, clean)
+        leftover = ranks.largest(unfit_to_continue(memory, clean) or 0) or None
         if oom is not None and leftover is not None:
             # Measuring more here would measure the leftovers too; the doctor plans the next
             # attempt, in a new process, from what was measured so far.

@@ -32,7 +32,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class PeerOutOfMemory(Exception):
-    """Another rank ran out of memory in this step, before the gradients were averaged."""
+    """Another rank ran out of memory in this step (the ranks learn of it where they meet)."""
 
 
 class RankGroup:
@@ -117,8 +117,9 @@ class RankGroup:
         least = -self._reduce([-(value if value is not None else float("inf"))], "max")[0]
         return None if least == float("inf") else int(least)
 
-    def mean(self, value: float) -> float:
-        return float(self._reduce([value], "sum")[0]) / self.world_size
+    def longest(self, seconds: float) -> float:
+        """The longest of the ranks' times (a step takes as long as its slowest rank)."""
+        return float(self._reduce([seconds], "max")[0])
 
     def first(self, value: T | None) -> T | None:
         """The value of the lowest rank that has one (not None)."""
@@ -130,11 +131,28 @@ class RankGroup:
         dist.all_gather_object(gathered, value)
         return next((v for v in gathered if v is not None), None)
 
-    def check_in(self, failed: bool) -> None:
-        """Where the ranks meet after a step's backward: raises PeerOutOfMemory on the ranks
-        that did not fail when another did."""
+    def check_in(self, failed: bool = False) -> None:
+        """Where the ranks meet after a step's backward, before they average: raises
+        PeerOutOfMemory on the ranks that did not fail when another did."""
         if self.any([failed])[0] and not failed:
             raise PeerOutOfMemory("another rank ran out of memory in this step")
+
+    def step_end(self, loss: float, failed: bool = False) -> float:
+        """Where the ranks meet at a step's end: the whole batch's loss (the mean of the
+        ranks'), or PeerOutOfMemory on the ranks that did not fail when another did (in the
+        average or the optimizer step)."""
+        total, failures = self._reduce([loss, float(failed)], "sum")
+        if failures and not failed:
+            raise PeerOutOfMemory("another rank ran out of memory in this step's optimizer")
+        return total / self.world_size
+
+    def join_failed(self, before_average: bool) -> None:
+        """Meet the other ranks where they wait after this rank failed in a step: at the check
+        in when it failed before the average, else at the step's end."""
+        if before_average:
+            self.check_in(failed=True)
+        else:
+            self.step_end(0.0, failed=True)
 
     def barrier(self) -> None:
         if not self.solo:

@@ -22,11 +22,12 @@ from oomguard.jobs.ema import EmaWeights
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.rank_group import RankGroup
+from oomguard.strategies.outcome import Outcome
 from oomguard.jobs.spec import JobSpec
 from oomguard.jobs.trainers.base import Trainer
 from oomguard.strategies import rungs
 from oomguard.strategies.memory_model import Measurement
-from oomguard.strategies.static_bytes import EMA_SIZE, FROZEN_SIZE_PREFIX
+from oomguard.strategies.static_bytes import EMA_SIZE, FROZEN_SIZE_PREFIX, WHOLE_MODEL_BYTES
 from oomguard.strategies.outcome import MemoryFigures
 from oomguard.strategies.plan import Plan
 
@@ -93,8 +94,12 @@ class Training:
             storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
             return sum(storages.values())
 
-        trainable = local(p for p in self.model.parameters() if p.requires_grad)
+        # A sharded model's parameters are DTensors: their numel is the whole tensor's (the
+        # trained share is of the whole model).
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        whole = {WHOLE_MODEL_BYTES: sum(p.numel() * p.element_size() for p in self.model.parameters())} if self.shards is not None else {}
         return {
+            **whole,
             "parameters": total(local(self.model.parameters())),
             "trainable": sum(p.numel() * p.element_size() for p in trainable),
             "optimizer_state": total(local(device_state_tensors(self.optimizer))),
@@ -292,6 +297,34 @@ def unfit_to_continue(memory: DeviceMemory, baseline: int) -> int | None:
     return leftover
 
 
+# Where an OOM leaves the training as it was before the step (nothing applied): the process may
+# go on. One in optimizer.step may have updated some weights: the last checkpoint stands.
+IN_PROCESS_PHASES = ("data", "forward", "backward")
+
+
+class RankAlone(Exception):
+    """This rank ran out of memory where the other ranks cannot learn of it (inside a sharded
+    model's collectives): it ends alone, and jobs/ranks.py stops the others. Holds the Outcome."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.message)
+        self.outcome = outcome
+
+
+def agreed_oom(ranks: RankGroup, sharded: bool, oom: Outcome | None) -> Outcome | None:
+    """Every rank's view of a step that failed on this rank (``oom``) or on another (None here,
+    PeerOutOfMemory raised): the OOM of the lowest rank that had one, the same on every rank.
+    A sharded model's OOM cannot be agreed on (RankAlone). A single process's is its own."""
+    if ranks.solo:
+        return oom
+    if oom is not None:
+        if sharded:
+            raise RankAlone(oom)
+        ranks.join_failed(before_average=oom.phase != "optimizer")
+    first = ranks.first(oom.to_dict() if oom is not None else None)
+    return Outcome.from_dict(first) if first is not None else None
+
+
 @dataclass(frozen=True)
 class StepResult:
     loss: float
@@ -328,7 +361,7 @@ def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemo
     if training.shards is None:
         # Unsharded: the ranks meet here, and learn of an OOM in any rank's forward or
         # backward, before they average (a sharded model averaged inside backward).
-        ranks.check_in(failed=False)
+        ranks.check_in()
         control.phase = "optimizer"
         ranks.average_gradients(model.parameters())
     for parameter in trainer.zero_gradient_parameters(model):
@@ -350,4 +383,4 @@ def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemo
     if training.device.type == "cuda":
         torch.cuda.synchronize(training.device)
     # The whole batch's loss, the same on every rank (so they agree on a divergence).
-    return StepResult(loss=ranks.mean(total), seconds=time.perf_counter() - started)
+    return StepResult(loss=ranks.step_end(total), seconds=time.perf_counter() - started)

@@ -133,7 +133,7 @@ def observed_activation_factors(lines: dict[Plan, Line]) -> dict[str, float]:
     return observed
 
 
-def _time_factor(plan: Plan) -> float:
+def time_factor(plan: Plan) -> float:
     return math.prod(terms.time for terms in terms_of(plan))
 
 
@@ -317,7 +317,7 @@ class MemoryModel:
         reference = min(dict.fromkeys(shape_of(m.plan) for m in timed), key=lambda other: _distance(other, shape))
         line = self._time_line_of(reference, timed, optimistic)
         assert line is not None
-        return line, _time_factor(shape) / _time_factor(reference)
+        return line, time_factor(shape) / time_factor(reference)
 
     def _time_line_of(self, shape: Plan, timed: list[Measurement], optimistic: bool) -> tuple[float, float] | None:
         """Seconds per micro-batch and per sample of ``shape``. With one timed size, the

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from oomguard.strategies import rungs
-from oomguard.strategies.memory_model import MemoryModel
+from oomguard.strategies.memory_model import MemoryModel, time_factor
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.units import format_bytes
 
@@ -105,12 +105,15 @@ def rank(model: MemoryModel, start: Plan, plan: Plan, *, optimistic: bool = Fals
     plan could have (MemoryModel.expected_samples_per_s)."""
     speed = model.expected_samples_per_s(plan, optimistic=optimistic)
     peak = model.predicted_peak(plan)
-    # Without timings, fewer micro-batches are faster. Between plans equally fast (e.g.
-    # micro-batch 8 and 9 of 16 both take two slices), the lower peak keeps more margin.
+    # Without timings, fewer micro-batches are faster, then the rungs' own time factors (a
+    # probe that measured only OOMs must not pick the slowest sharding level for its lower
+    # peak). Between plans equally fast (e.g. micro-batch 8 and 9 of 16 both take two
+    # slices), the lower peak keeps more margin.
     return (
         faithfulness(start, plan),
         -(speed if speed is not None else 0.0),
         plan.grad_accum,
+        time_factor(plan) if speed is None else 0.0,
         peak if peak is not None else 0.0,
         len(rungs_between(start, plan)),
     )

@@ -49,7 +49,9 @@ def first_given(values: Iterable[float | None]) -> float | None:
 
 def full_parameter_bytes(shape: Plan, static: dict[str, int]) -> float | None:
     """The bytes the whole model's parameters take in full precision, from what a run of
-    ``shape`` measured."""
+    ``shape`` measured (a sharded run says so itself: its ranks hold shards)."""
+    if WHOLE_MODEL_BYTES in static:
+        return float(static[WHOLE_MODEL_BYTES])
     parameters = static.get("parameters")
     if parameters is None:
         return None
@@ -60,6 +62,11 @@ def full_parameter_bytes(shape: Plan, static: dict[str, int]) -> float | None:
         base_share = first_given(t.base_share for t in terms)
         share *= adapter_share + (base_share if base_share is not None else 1.0)
     return parameters / share
+
+
+# A sharded run's measurement names the whole model's parameter bytes under this key (its
+# "parameters" are this rank's shards, wherever they are).
+WHOLE_MODEL_BYTES = "whole_model"
 
 
 # A measurement's static bytes name each frozen part's full-precision size under this prefix

@@ -35,7 +35,7 @@ from oomguard.strategies.rungs import (
     vae_slicing,
     vae_tiling,
 )
-from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung
+from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung, not_sharded
 
 # The order is the ladder's. The caches come first: exact, and they make steps faster. The
 # approximate rungs go from the least invasive (the frozen encoders' precision) to the most.
@@ -165,6 +165,11 @@ def shard_model(plan: Plan, model: Any, mesh: Any) -> str | None:
     """Shard ``model`` across ``mesh`` as ``plan``'s sharding rung says; where the shards live
     ("device", "host"), or None when the plan shards nothing."""
     return next((where for r in _LADDER if (where := r.shard_model(plan, model, mesh)) is not None), None)
+
+
+def sharded(plan: Plan) -> bool:
+    """Whether ``plan`` shards the model across its processes (a rung that shards is on)."""
+    return any(r.shard_model is not not_sharded and r.is_on(plan) for r in _LADDER)
 
 
 def ema_on_host(plan: Plan) -> bool:

@@ -177,7 +177,7 @@ def _no_conflict(plan: Plan) -> str | None:
     return None
 
 
-def _not_sharded(plan: Plan, model: Any, mesh: Any) -> str | None:
+def not_sharded(plan: Plan, model: Any, mesh: Any) -> str | None:
     return None
 
 
@@ -238,7 +238,7 @@ class Rung:
     ema_on_host: Callable[[Plan], bool] = _ema_beside_weights
     # Shards a built model (on the host) across a device mesh (FSDP2) when the plan asks, and
     # says where the shards live: "device" or "host"; None: not sharded.
-    shard_model: Callable[[Plan, Any, Any], str | None] = _not_sharded
+    shard_model: Callable[[Plan, Any, Any], str | None] = not_sharded
     # Why a plan with this rung on cannot run with the rest of the plan (None: it can). The
     # planner never offers such a plan; the runner refuses one.
     conflict: Callable[[Plan], str | None] = _no_conflict
