@@ -13,6 +13,11 @@ with deadlines for the build and for each case (see that file). Its results go t
 gpu-t2i.md/json (gpu-dry-run-t2i.md/json for the dry run), apart from the unet part's, so that
 either part can be run again alone without losing the other's.
 
+A third part, *multi* (bench/gpu_check_multi.py), runs where the machine has 2 or more GPUs (or
+when ``--cases multi`` names it; ``--dry-run`` on the CPU): a built-in job whose model state
+does not fit one card, by `oomguard run` on one card and on two, each capped at the same size;
+results in gpu-multi.md/json.
+
 The rest of this docstring is the unet part.
 
 The model is ``diffusers.UNet2DConditionModel`` with SD 1.5's UNet config (written inline
@@ -1151,15 +1156,16 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
-CASES = ("unet", "t2i")
+CASES = ("unet", "t2i", "multi")
 
 
 def parse_options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, tiny models and emulated cards of a few MiB (writes gpu-dry-run*.md/json)")
-    parser.add_argument("--cases", default=",".join(CASES),
+    parser.add_argument("--cases",
                         help="which parts run, comma-separated: unet (the SD 1.5 UNet through the runner, sweep and oracle), "
-                             "t2i (text-to-image jobs through `oomguard run`) (default: both)")
+                             "t2i (text-to-image jobs through `oomguard run`), multi (a job on one and on two capped GPUs: "
+                             "bench/gpu_check_multi.py) (default: unet and t2i, and multi where there are 2 or more GPUs)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the results go (default: bench/results)")
     parser.add_argument("--budget", type=float,
                         help=f"seconds for the whole check (default: {GPU_BUDGET_S:.0f}, {t2i.T2I_SHARE * 100:.0f}%% of it for t2i when both run; "
@@ -1180,7 +1186,9 @@ def parse_options() -> argparse.Namespace:
     parser.add_argument("--worker-attempt", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-measure", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    # Without --cases: unet and t2i, and multi once main() has seen two GPUs.
+    args.default_cases = args.cases is None
+    args.cases = [c.strip() for c in (args.cases or "unet,t2i").split(",") if c.strip()]
     unknown = [c for c in args.cases if c not in CASES]
     if unknown or not args.cases:
         parser.error(f"--cases: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(CASES)}")
@@ -1224,8 +1232,21 @@ def main() -> int:
             return status
     if t2i_settings is not None:
         status |= t2i.run(sys.modules[__name__], t2i_settings, budget * RACE_SHARE)
+    if "multi" in args.cases or (args.default_cases and not args.dry_run and torch.cuda.device_count() >= 2):
+        status |= multi_check(args, env)
     log(f"the check took {elapsed():.0f}s of its {budget:.0f}s budget")
     return status
+
+
+def multi_check(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """The case with several GPUs (bench/gpu_check_multi.py): a job whose state does not fit one
+    card, on one card and on two. Skipped, with the reason, where there are fewer than 2 GPUs."""
+    script = Path(__file__).with_name("gpu_check_multi.py")
+    done = subprocess.run([sys.executable, str(script), "--out", str(args.out), *(["--dry-run"] if args.dry_run else [])], env=env, timeout=3600)
+    if done.returncode == 2:
+        log("multi: skipped (it needs 2 or more GPUs)")
+        return 0
+    return done.returncode
 
 
 def t2i_options(args: argparse.Namespace, machine: dict[str, Any], command: str, env: dict[str, str]) -> Any:

@@ -12,6 +12,8 @@ job, in one transaction.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
@@ -226,10 +228,11 @@ class Lifecycle:
 
     # After an attempt ------------------------------------------------------------------------------
 
-    def after_attempt(self, job: JobRow, outcome: Outcome, spec: JobSpec, *, stopping: bool) -> Decision | None:
+    def after_attempt(self, job: JobRow, outcome: Outcome, spec: JobSpec, *, stopping: bool, widest: int | None = None) -> Decision | None:
         """What the job does after an attempt ended with ``outcome``: it ends, goes back to the
         queue as it was (the daemon stops), or the doctor decides (the decision is returned:
-        a retry's pause is the scheduler's to keep)."""
+        a retry's pause is the scheduler's to keep). ``widest``: how many GPUs the job could
+        run on now (the scheduler's count), when its resources.gpus is a range."""
         if outcome.kind == "finished":
             if spec.command is not None:
                 self._end_command_job(job, spec)
@@ -250,6 +253,17 @@ class Lifecycle:
                 data={"step": outcome.step}, next_step=f"nothing: the job has ended; submit it again to go on from its checkpoint in {job.workdir}",
             )
             return None
+        if job.narrow_plan is not None:
+            # Asked to give GPUs back (daemon/narrowing.py): whatever ended the attempt, the ask
+            # is answered; an attempt stopped for it goes on, from its checkpoint, on fewer GPUs.
+            narrowing = json.loads(job.narrow_plan)
+            self.store.update_job(job.id, narrow_plan=None)
+            if outcome.kind == "interrupted" and not stopping:
+                self.escalate(
+                    job, Plan.from_dict(narrowing["plan"]), narrowing["rung"], narrowing["reason"],
+                    next_step="the next attempt runs on fewer GPUs from the checkpoint it wrote", old_plan=outcome.plan or job.plan,
+                )
+                return None
         if outcome.kind == "interrupted" and stopping:
             self.requeue(job, f"stopped with the daemon at step {outcome.step}; it resumes when the daemon starts again", code="daemon_stopped", data={"step": outcome.step})
             return None
@@ -257,7 +271,11 @@ class Lifecycle:
         # moved it from the one it started with.
         plan = outcome.plan or job.plan
         history = past_attempts(self.store.attempts(job.id))
-        decision = decide(outcome, plan, history, spec.policy())
+        policy = spec.policy()
+        if outcome.kind == "oom" and widest is not None and spec.command is None:
+            # Out of memory with GPUs free: the doctor may widen onto them rather than step down.
+            policy = dataclasses.replace(policy, widest=min(spec.resources.widest, widest))
+        decision = decide(outcome, plan, history, policy)
         if isinstance(decision, (Retry, Wait, WaitForDisk)) and outcome.plan is not None:
             self.keep_plan(job, outcome.plan)
         if isinstance(decision, NextPlan) and outcome.kind == "replan":

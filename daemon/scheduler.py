@@ -232,6 +232,16 @@ class Scheduler:
             next_step="oomguard keeps waiting and starts it as soon as a GPU has room; free one (`oomguard gpus` shows what is on them), or cancel it",
         )
 
+    def gpus_to_widen_onto(self, job: JobRow) -> int:
+        """How many GPUs the job could run on now if it widened: those no other attempt holds
+        and no process uses (its own, its attempt having ended, among them). 0 without a view
+        of the GPUs."""
+        if self.gpus is None:
+            return 0
+        states = self.gpus.read()
+        holders = self._holders(states)
+        return sum(1 for gpu in states if not gpu.processes and all(h.job_id == job.id for h in holders.get(gpu.index, [])))
+
     def _holders(self, gpus: list[Any]) -> dict[int, list[Holder]]:
         holders: dict[int, list[Holder]] = {}
         placed = [(attempt, self.store.job(attempt.job_id)) for attempt in self.store.running_attempts() if attempt.gpus]
@@ -363,7 +373,10 @@ def measure_need(job: JobRow, spec: JobSpec, attempts: list[AttemptRow]) -> Need
             if m.fits and m.plan == plan
         ]
         free_bytes = int(max(peaks) * (1 + MARGIN_RAN)) if peaks else spec.resources.memory
-    return Need(gpus=spec.resources.gpus, share=spec.resources.share, free_bytes=free_bytes)
+    # A built-in job runs one process per GPU: as many GPUs as its plan has processes (more than
+    # resources.gpus once it widened).
+    gpus = job.plan.world_size if spec.command is None else spec.resources.gpus
+    return Need(gpus=gpus, share=spec.resources.share, free_bytes=free_bytes)
 
 
 def same_reason(old: str, new: str) -> bool:

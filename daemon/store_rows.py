@@ -78,6 +78,9 @@ class JobRow:
     disk_wait_bytes: int | None = None
     disk_needed: int | None = None
     disk_budget: int | None = None
+    # A widened job asked to give GPUs back: the plan (JSON) it goes on under once its attempt
+    # has stopped at a checkpoint (daemon/narrowing.py; None: not asked).
+    narrow_plan: str | None = None
 
     @classmethod
     def from_stored(cls, row: dict[str, Any]) -> JobRow:

@@ -150,6 +150,13 @@ def _add_disk_wait(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS idx_jobs_disk_wait ON jobs(id) WHERE disk_path IS NOT NULL")
 
 
+@MIGRATIONS(name="add_narrowing")
+def _add_narrowing(db: sqlite_utils.Database) -> None:
+    # A job that widened onto free GPUs and must give some back (another job waits for them):
+    # the plan it goes on under once its attempt has stopped at a checkpoint (JSON; NULL: none).
+    db["jobs"].add_column("narrow_plan", str)
+
+
 # The migrations of the oomguard that counted them in user_version alone (0.x): a database it
 # made at user_version n has the first n of MIGRATIONS applied, under no recorded name.
 UNNAMED_MIGRATIONS = ("create_tables", "add_recoveries_reported", "add_lab_box")

@@ -26,6 +26,7 @@ from oomguard.daemon.intake import Intake, Secrets, hide_stored_secrets
 from oomguard.daemon.launch import Launcher
 from oomguard.daemon.launch.local import LocalLauncher
 from oomguard.daemon.lifecycle import COMMAND_SPLIT_KEEPS, ENDED, Lifecycle, State
+from oomguard.daemon.narrowing import narrow_for_waiting_jobs
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.scheduler import SLOTS_TAKEN, JobCache, Scheduler
@@ -129,7 +130,17 @@ class Supervisor:
         self.attempts.reap()
         if not self.stopping:
             self.scheduler.run_pass()
+            self._narrow_widened_jobs()
         self._collect_if_due()
+
+    def _narrow_widened_jobs(self) -> None:
+        """A job that widened onto free GPUs gives them back to a job waiting for them."""
+        if self.gpus is None:
+            return
+        try:
+            narrow_for_waiting_jobs(self.store, self.events, self.gpus.read(), self.jobs.spec, self.attempts.request_stop)
+        except Exception as error:  # noqa: BLE001 - the queue goes on; the widened job keeps its GPUs
+            log_error("giving widened jobs' GPUs back", error)
 
     def _collect_if_due(self) -> None:
         """The store's collection (daemon/store_gc.py), when it is due; a failure is logged and
@@ -163,7 +174,9 @@ class Supervisor:
 
     def _after(self, job: JobRow, outcome: Outcome) -> None:
         """What the job does after an attempt ended; a retry after a pause waits in the scheduler."""
-        decision = self.lifecycle.after_attempt(job, outcome, self.jobs.spec(job), stopping=self.stopping)
+        spec = self.jobs.spec(job)
+        widest = self.scheduler.gpus_to_widen_onto(job) if spec.resources.widest > 1 else None
+        decision = self.lifecycle.after_attempt(job, outcome, spec, stopping=self.stopping, widest=widest)
         if isinstance(decision, (Retry, WaitForDisk)) and decision.after_seconds > 0:
             self._pause(job.id, decision.after_seconds)
 

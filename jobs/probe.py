@@ -152,6 +152,9 @@ def run_probe(
         model = MemoryModel(measurements)
         if calibrations is None:
             calibrations = calibration_plans(measured.plan, policy.allow) if model.fits(origin, capacity) is not True else []
+            # A rung that shrinks activations cannot help where the model's state alone does not
+            # fit: measuring it would only be another OOM.
+            calibrations = [p for p in calibrations if (line := model.line(p)) is None or line.fixed <= capacity]
         if calibrations:
             next_plan = calibrations.pop(0)
             continue

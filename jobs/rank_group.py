@@ -175,14 +175,46 @@ class RankGroup:
     # -- data parallelism ------------------------------------------------------------------
 
     def average_gradients(self, parameters: Iterable[torch.Tensor]) -> None:
-        """Average the gradients of an unsharded model over the ranks, in place, tensor by
-        tensor: no flat buffer, so the step needs no memory beyond the gradients themselves
-        (what the memory model counts for a data-parallel plan)."""
+        """Average the gradients of an unsharded model over the ranks, in place, in about
+        BUCKETS buckets of one dtype (at most DistributedDataParallel's default size), each
+        flattened and reduced in one collective. Per tensor, a UNet's hundreds of small
+        collectives took twice as long on 4 ranks as the sharded plans' few large ones; one
+        bucket of all gradients raised the peak of a model whose state dominates by a whole
+        copy of its gradients (measured: 10.9 -> 12.4 MiB). A sixteenth costs 6 % of them."""
         if self.solo:
             return
         import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        for parameter in parameters:
-            if parameter.grad is not None:
-                dist.all_reduce(parameter.grad)
-                parameter.grad /= self.world_size
+        grads = [p.grad for p in parameters if p.grad is not None]
+        limit = min(BUCKET_BYTES, max(1, sum(g.numel() * g.element_size() for g in grads) // BUCKETS))
+        for bucket in _buckets(grads, limit):
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat)
+            flat /= self.world_size
+            for grad, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                grad.copy_(averaged)
+            del flat
+
+
+# DistributedDataParallel's default bucket_cap_mb, and how many buckets a step's gradients
+# are split into at most that size (see average_gradients).
+BUCKET_BYTES = 25 * 2**20
+BUCKETS = 16
+
+
+def _buckets(tensors: list[torch.Tensor], limit: int) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, grouped into runs of one dtype of at most ``limit`` bytes each (a
+    larger tensor is a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or last[0].dtype != tensor.dtype or size + nbytes > limit:
+            buckets.append([tensor])
+            size = nbytes
+        else:
+            last.append(tensor)
+            size += nbytes
+    return buckets

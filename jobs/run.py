@@ -131,8 +131,10 @@ def _plan_problem(config: AttemptConfig) -> str | None:
     plan, batch_size = config.plan, config.job.train.batch_size
     if plan.batch_size != batch_size:
         return f"the plan splits a batch of {plan.batch_size}, but the job's train.batch_size is {batch_size}"
-    if plan.world_size != config.job.resources.gpus:
-        return f"the plan is for {plan.world_size} processes, but the job runs one per GPU and asks for resources.gpus = {config.job.resources.gpus}"
+    resources = config.job.resources
+    if not resources.gpus <= plan.world_size <= resources.widest:
+        asked = f"{resources.gpus}-{resources.widest}" if resources.widest > resources.gpus else str(resources.gpus)
+        return f"the plan is for {plan.world_size} processes, but the job runs one per GPU and asks for resources.gpus = {asked}"
     return rungs.conflict(plan)
 
 

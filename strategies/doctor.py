@@ -329,13 +329,12 @@ def _plan_by_numbers(
     """The planner's answer from the memory model; None when the model knows too little."""
     model = MemoryModel(measurements_of(history))
     origin = _origin(plan, history, policy)
-    allowed = [p for p in candidate_plans(origin, policy.allow) if p not in failed]
+    allowed = [p for p in widened_candidates(origin, plan, policy) if p not in failed]
     if all(model.fits(p, capacity) is None for p in allowed):
         return None
     choice = planner.choose(origin, allowed, model, capacity)
     if choice is not None:
-        taken = rungs_between(plan, choice.plan) or _batch_rungs()
-        return NextPlan(plan=choice.plan, rung="+".join(taken), reason=f"{diagnosis} -> {choice.summary(capacity)}")
+        return NextPlan(plan=choice.plan, rung=_taken(plan, choice.plan), reason=f"{diagnosis} -> {choice.summary(capacity)}")
     # No plan fits with the margins of predictions (8 % for a shape's own line, 15 % for one
     # carried over by the rungs' factors, which are rounded from this project's UNet2DModel; a
     # Stable Diffusion UNet's differ: bench/results/ladder-t2i.md). A plan that may fit with the
@@ -343,9 +342,8 @@ def _plan_by_numbers(
     # never runs again.
     hopeful = planner.choose(origin, allowed, model, capacity, optimistic=True)
     if hopeful is not None:
-        taken = rungs_between(plan, hopeful.plan) or _batch_rungs()
         return NextPlan(
-            plan=hopeful.plan, rung="+".join(taken),
+            plan=hopeful.plan, rung=_taken(plan, hopeful.plan),
             reason=f"{diagnosis} -> {hopeful.summary(capacity)}, the closest plan to fitting (no plan is predicted to fit with a full margin)",
         )
     everything = [p for p in candidate_plans(origin, [n for n in policy.usable if n not in policy.unsafe]) if p not in failed]
@@ -357,6 +355,47 @@ def _plan_by_numbers(
             f"{', '.join(needed)} (not allowed)", history, policy, needed=needed,
         )
     return give_up(f"{diagnosis}; no plan fits {format_bytes(capacity)}, even with every rung oomguard has", history, policy)
+
+
+# What a change of plan onto more processes is called in events, and back onto fewer (no
+# rungs: the job's resources.gpus range allows them, when the daemon has GPUs free, and when
+# another job waits for them).
+WIDEN = "widen"
+NARROW = "narrow"
+
+
+def widened_candidates(origin: Plan, plan: Plan, policy: Policy) -> list[Plan]:
+    """Every plan the allowed rungs reach on the plan's number of processes and, where the
+    policy lets the job widen (Policy.widest), on each larger number that splits the batch."""
+    widths = [plan.world_size] + [
+        width for width in range(plan.world_size + 1, (policy.widest or 0) + 1) if origin.batch_size % width == 0
+    ]
+    plans: list[Plan] = []
+    for width in widths:
+        start = origin.replace(world_size=width, micro_batch=min(origin.micro_batch, origin.batch_size // width))
+        plans += candidate_plans(start, policy.allow)
+    return plans
+
+
+def narrowed(plan: Plan, history: Sequence[PastAttempt], policy: Policy, width: int, capacity: int) -> NextPlan | None:
+    """The plan a widened job goes on under on ``width`` processes (fewer), to give GPUs back
+    to a job waiting for them: the best the memory model says fits ``capacity`` per GPU; None
+    when none does (the job keeps its GPUs)."""
+    origin = _origin(plan, history, policy)
+    start = origin.replace(world_size=width, micro_batch=min(origin.micro_batch, origin.batch_size // width))
+    failed = {past.plan for past in history if past.outcome.kind == "oom" and contention_of(past) is None}
+    candidates = [p for p in candidate_plans(start, policy.allow) if p not in failed]
+    choice = planner.choose(origin, candidates, MemoryModel(measurements_of(history)), capacity)
+    if choice is None:
+        return None
+    return NextPlan(plan=choice.plan, rung="+".join((NARROW, *rungs_between(plan, choice.plan))), reason=f"back onto {width} GPU(s): {choice.summary(capacity)}")
+
+
+def _taken(old: Plan, new: Plan) -> str:
+    """The rungs a change of plan took, as events name them ("widen" first when it adds
+    processes)."""
+    taken = rungs_between(old, new) or (_batch_rungs() if new.world_size == old.world_size else ())
+    return "+".join(((WIDEN,) if new.world_size > old.world_size else ()) + taken)
 
 
 def _batch_rungs() -> tuple[str, ...]:

@@ -301,8 +301,10 @@ class MemoryModel:
         if self._speed_lines[key] is None:
             return None
         (per_micro, per_sample), scale = self._speed_lines[key]
+        # A step: each rank's slices of its share, all ranks at once; samples/s are the whole
+        # batch's (what runs measure), so plans on more processes compare with fewer.
         seconds = (plan.grad_accum * per_micro + plan.per_rank_batch * per_sample) * scale
-        return plan.per_rank_batch / seconds if seconds > 0 else None
+        return plan.batch_size / seconds if seconds > 0 else None
 
     def _speed_line(self, shape: Plan, optimistic: bool) -> tuple[tuple[float, float], float] | None:
         """Seconds per micro-batch and per sample of ``shape``, and the factor to scale them by."""
@@ -342,7 +344,7 @@ class MemoryModel:
         reference = min(lined, key=lambda other: _distance(other, shape))
         per_micro, per_sample = _time_line([m for m in timed if shape_of(m.plan) == reference])
         size = own[0].plan.micro_batch
-        seconds = min(m.plan.per_rank_batch / m.samples_per_s for m in own if m.samples_per_s) / own[0].plan.grad_accum
+        seconds = min(m.plan.batch_size / m.samples_per_s for m in own if m.samples_per_s) / own[0].plan.grad_accum
         predicted = per_micro + per_sample * size
         k = seconds / predicted if predicted > 0 else 1.0
         scaled = (per_micro * k, per_sample * k)
@@ -357,7 +359,7 @@ def _time_line(runs: Sequence[Measurement]) -> tuple[float, float]:
     seconds: dict[int, float] = {}
     for m in runs:
         assert m.samples_per_s
-        t = m.plan.per_rank_batch / m.samples_per_s
+        t = m.plan.batch_size / m.samples_per_s  # the step's time
         seconds[m.plan.micro_batch] = min(seconds.get(m.plan.micro_batch, t), t)
     # Per micro-batch sizes: time of one micro-batch = per_micro + size * per_sample.
     points = sorted((size, seconds[size] / _accum(runs, size)) for size in seconds)

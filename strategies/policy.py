@@ -40,3 +40,7 @@ class Policy:
     # "--train_batch_size={micro_batch}"): a script may ignore it, which the doctor watches
     # for. None for the built-in trainer, which always honours its plan.
     micro_batch_argument: str | None = None
+    # The most processes (one per GPU) the job's next plan may have: a built-in job whose
+    # resources.gpus is a range, when the daemon sees GPUs it could widen onto (set by the
+    # daemon at the decision). None: the plan's own number.
+    widest: int | None = None

@@ -127,6 +127,9 @@ class ResourcesSpec:
     Slurm cluster also what each attempt asks for (None: the daemon config's default)."""
 
     gpus: int = 1
+    # A built-in job given a range (gpus = "1-4") starts on ``gpus`` and may widen onto free
+    # GPUs up to this many (None: exactly ``gpus``).
+    gpus_max: int | None = None
     # Share GPUs with other jobs by memory (default: a GPU to itself).
     share: bool = False
     # Device memory per GPU the job expects to need, in bytes (None: learn it by running).
@@ -142,16 +145,23 @@ class ResourcesSpec:
     # that would take it past this waits as on a full disk (jobs/checkpoint_budget.py).
     disk: int | None = None
 
+    @property
+    def widest(self) -> int:
+        """The most GPUs the job may run on."""
+        return self.gpus_max if self.gpus_max is not None else self.gpus
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "gpus": self.gpus, "share": self.share, "memory": self.memory, "host_memory": self.host_memory, "cpus": self.cpus,
             "time_limit": self.time_limit, "gpu_type": self.gpu_type, "disk": self.disk,
+            # Left out unless given, so that stored specs read as they were.
+            **({"gpus_max": self.gpus_max} if self.gpus_max is not None else {}),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ResourcesSpec:
         return cls(
-            gpus=int(data.get("gpus", 1)), share=bool(data.get("share", False)), memory=data.get("memory"),
+            gpus=int(data.get("gpus", 1)), gpus_max=data.get("gpus_max"), share=bool(data.get("share", False)), memory=data.get("memory"),
             host_memory=data.get("host_memory"), cpus=data.get("cpus"), time_limit=data.get("time_limit"), gpu_type=data.get("gpu_type"),
             disk=data.get("disk"),
         )
@@ -265,7 +275,7 @@ def parse_ladder(s: Section) -> LadderSpec:
 
 
 def parse_resources(s: Section) -> ResourcesSpec:
-    gpus = s.int("gpus", minimum=1, maximum=64, default=1)
+    gpus, gpus_max = _gpus(s)
     share = s.bool("share", default=False)
     memory = _size(s, "memory", "20GiB")
     host_memory = _size(s, "host_memory", "64GiB")
@@ -285,8 +295,26 @@ def parse_resources(s: Section) -> ResourcesSpec:
     if disk is not None and disk < MIN_DISK_BUDGET:
         raise s.fail("disk", f"expected at least 1MiB (room for a checkpoint), found {disk} bytes; write it as a size such as \"20GiB\"")
     return ResourcesSpec(
-        gpus=gpus, share=share, memory=memory, host_memory=host_memory, cpus=cpus, time_limit=time_limit, gpu_type=gpu_type, disk=disk,
+        gpus=gpus, gpus_max=gpus_max, share=share, memory=memory, host_memory=host_memory, cpus=cpus, time_limit=time_limit, gpu_type=gpu_type, disk=disk,
     )
+
+
+GPU_RANGE = re.compile(r"\s*([0-9]{1,2})\s*-\s*([0-9]{1,2})\s*")
+
+
+def _gpus(s: Section) -> tuple[int, int | None]:
+    """resources.gpus: a number, or for a built-in job a range "A-B" (start on A GPUs, widen onto
+    free ones up to B)."""
+    value = s.get("gpus", 1)
+    if not isinstance(value, str):
+        return s.int("gpus", minimum=1, maximum=64, default=1), None
+    match = GPU_RANGE.fullmatch(value)
+    if match is None or not 1 <= int(match[1]) <= int(match[2]) <= 64:
+        raise s.fail("gpus", f'expected a number of GPUs in 1..64, or a range such as "1-4" (at least 1, at most 64), found {render_value(value)}')
+    if s.ctx.command_job:
+        raise s.fail("gpus", "a command job runs on the GPUs it is given ([command] processes): write one number, not a range")
+    low, high = int(match[1]), int(match[2])
+    return low, (high if high > low else None)
 
 
 def _size(s: Section, k: str, example: str) -> int | None:

@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""Multi-GPU pairs of the ladder benchmark: built-in jobs on 2 or 4 emulated devices (one rank
+each, gloo on the CPU), where the model's state or its activations do not fit one rank, and
+what oomguard lands on against the fastest plan that fits.
+
+1. Sweep. Every plan the job's ``ladder.allow`` reaches (``planner.candidate_plans``: the
+   micro-batch, checkpointing, host offload and the three sharding levels) is run by the real
+   ranks' runner for a few steps under an emulated device that counts bytes but never
+   refuses: rank 0's peak (the first step, where the optimizer state appears, included) and
+   its samples/s (median of the steps after the first; wall clock, one thread per rank).
+2. A pair is the job and a cap: a share of the peak of the plain data-parallel plan. The
+   oracle is the fastest swept plan whose peak fits the cap.
+3. oomguard: ``oomguard run JOB --emulate-device-memory CAP --json`` with the product's
+   defaults (the ranks probe together). From its record: every OOM (probe measurements that
+   did not fit, and attempts that ended on one), the plan it ended on, and its swept speed
+   against the oracle's.
+
+Run alone with ``.venv/bin/python bench/multi_gpu_pairs.py``; ``make bench`` runs it inside
+bench/ladder.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+BIN = Path(sys.executable).parent
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+SWEEP_STEPS = 4
+UNLIMITED = "64GiB"
+ALLOW = ("micro_batch", "checkpointing", "offload", "shard_optimizer", "shard_params", "shard_offload")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    what: str
+    gpus: int
+    channels: tuple[int, int]
+    resolution: int
+    batch_size: int
+    max_steps: int = 10
+
+
+@dataclass(frozen=True)
+class Pair:
+    job: str
+    # The cap, as a share of the plain data-parallel plan's peak.
+    share: float
+
+
+JOBS = {
+    j.name: j
+    for j in (
+        Job("state-2", "UNet 32/64 channels at 8 px: the model's state dominates", 2, (32, 64), 8, 8),
+        Job("state-4", "the same on 4 ranks", 4, (32, 64), 8, 8),
+        Job("activations-2", "UNet 16/32 channels at 32 px: activations dominate", 2, (16, 32), 32, 8),
+    )
+}
+PAIRS = (
+    Pair("state-2", 0.8),
+    Pair("state-2", 0.6),
+    Pair("state-2", 0.47),
+    Pair("state-4", 0.6),
+    Pair("state-4", 0.4),
+    Pair("activations-2", 0.6),
+)
+
+
+def log(text: str) -> None:
+    print(f"[multi-gpu pairs] {text}", file=sys.stderr, flush=True)
+
+
+def job_text(job: Job) -> str:
+    low, high = job.channels
+    return (
+        f'name = "{job.name}"\ntrainer = "unconditional"\n[data]\nsource = "synthetic:16"\nresolution = {job.resolution}\n'
+        f'[model]\nblock_out_channels = [{low}, {high}]\nlayers_per_block = 1\n'
+        'down_block_types = ["DownBlock2D", "DownBlock2D"]\nup_block_types = ["UpBlock2D", "UpBlock2D"]\nnorm_num_groups = 8\n'
+        f"[train]\nbatch_size = {job.batch_size}\nmax_steps = {job.max_steps}\nlearning_rate = 1e-3\nseed = 0\ncheckpoint_every_steps = 5\n"
+        f"[ladder]\nallow = {json.dumps(list(ALLOW))}\n[resources]\ngpus = {job.gpus}\n"
+    )
+
+
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OOMGUARD_")}
+    env.update(THREADS)
+    return env
+
+
+def sweep(job: Job, spec: Any, scratch: Path) -> dict[str, dict[str, Any]]:
+    """Rank 0's peak and samples/s of every candidate plan, by its one-line name."""
+    from oomguard.jobs.attempt import AttemptConfig
+    from oomguard.jobs.device import DeviceSpec
+    from oomguard.strategies import planner
+
+    spec = spec.replace(train=spec.train.__class__(**{**spec.train.__dict__, "max_steps": SWEEP_STEPS, "checkpoint_every_steps": 1000}))
+    measured: dict[str, dict[str, Any]] = {}
+    for n, plan in enumerate(planner.candidate_plans(spec.initial_plan(), ALLOW)):
+        attempt = scratch / f"sweep-{job.name}-{n}"
+        attempt.mkdir(parents=True)
+        AttemptConfig(job=spec, plan=plan, number=1, workdir=attempt / "work", device=DeviceSpec.from_option(UNLIMITED), recover_in_process=False).write(attempt)
+        done = subprocess.run([sys.executable, "-m", "oomguard.jobs.run", str(attempt)], capture_output=True, text=True, env=_environment(), timeout=900)
+        if done.returncode != 0:
+            raise RuntimeError(f"sweep of {job.name} [{plan.short()}] failed:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
+        steps = [json.loads(line) for line in (attempt / "metrics.jsonl").read_text().splitlines()]
+        measured[plan.short()] = {
+            "plan": plan.to_dict(),
+            "peak_bytes": max(s["peak_bytes"] for s in steps),
+            "samples_per_s": statistics.median(s["samples_per_s"] for s in steps[1:]),
+        }
+        log(f"{job.name} [{plan.short()}]: peak {measured[plan.short()]['peak_bytes'] / 2**20:.2f} MiB, "
+            f"{measured[plan.short()]['samples_per_s']:.0f} samples/s")
+    return measured
+
+
+def run_oomguard(job: Job, cap: int, scratch: Path, name: str) -> dict[str, Any]:
+    path = scratch / f"{name}.toml"
+    path.write_text(job_text(job))
+    started = time.monotonic()
+    done = subprocess.run(
+        [str(BIN / "oomguard"), "run", str(path), "--workdir", str(scratch / name), "--emulate-device-memory", f"{cap}B", "--json"],
+        capture_output=True, text=True, env=_environment(), timeout=1800,
+    )
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"oomguard run of {name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return {"record": json.loads(done.stdout), "seconds": time.monotonic() - started}
+
+
+def measure(scratch: Path) -> dict[str, Any]:
+    """Every pair: the sweep, the oracle and what oomguard did."""
+    from oomguard.jobs.spec import parse_job_text
+    from oomguard.strategies.plan import Plan
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    sweeps = {}
+    for name, job in JOBS.items():
+        spec = parse_job_text(job_text(job), f"<{name}.toml>", base_dir=scratch)
+        sweeps[name] = sweep(job, spec, scratch)
+    rows = []
+    for n, pair in enumerate(PAIRS, 1):
+        job, measured = JOBS[pair.job], sweeps[pair.job]
+        plain = measured[Plan.initial(job.batch_size, world_size=job.gpus).short()]  # the job's own plan
+        cap = int(plain["peak_bytes"] * pair.share)
+        fitting = {label: m for label, m in measured.items() if m["peak_bytes"] <= cap}
+        oracle = max(fitting, key=lambda label: fitting[label]["samples_per_s"]) if fitting else None
+        record = run_oomguard(job, cap, scratch, f"pair-{n}")["record"]
+        attempts = record["attempts"]
+        landed = Plan.from_dict(attempts[-1]["outcome"]["plan"]).short() if attempts and attempts[-1].get("outcome") else None
+        # Every OOM, in the probe or ending an attempt, is one measurement that did not fit.
+        ooms = sum(1 for a in attempts for m in (a.get("outcome") or {}).get("measurements", []) if not m["fits"])
+        row = {
+            "n": n, "job": job.name, "what": job.what, "gpus": job.gpus, "cap_bytes": cap, "share": pair.share,
+            "oracle": oracle, "landed": landed, "state": record["state"], "ooms": ooms, "attempts": len(attempts),
+            "fraction_of_oracle": (measured[landed]["samples_per_s"] / measured[oracle]["samples_per_s"]) if landed in measured and oracle else None,
+        }
+        log(f"pair {n} {job.name} cap {cap / 2**20:.2f} MiB: oracle [{oracle}], landed [{landed}], {ooms} OOM(s), {record['state']}")
+        rows.append(row)
+    return {"jobs": {name: {"what": j.what, "gpus": j.gpus, "sweep": sweeps[name]} for name, j in JOBS.items()}, "pairs": rows}
+
+
+def medians(result: dict[str, Any]) -> dict[str, Any]:
+    pairs = result["pairs"]
+    fractions = [p["fraction_of_oracle"] for p in pairs if p["fraction_of_oracle"] is not None]
+    return {
+        "ooms": statistics.median(p["ooms"] for p in pairs),
+        "fraction_of_oracle": statistics.median(fractions) if fractions else None,
+        "finished": sum(p["state"] == "finished" for p in pairs),
+        "pairs": len(pairs),
+    }
+
+
+def markdown_section(result: dict[str, Any]) -> list[str]:
+    m = medians(result)
+    out = [
+        "## Several GPUs",
+        "",
+        "Built-in jobs on 2 or 4 emulated devices, one rank each (bench/multi_gpu_pairs.py). The cap is a share of the plain "
+        "data-parallel plan's peak, the same on every rank. *OOMs* counts every measurement that did not fit (the ranks' probe "
+        "included) and every attempt that ended on one; speed is the landed plan's samples/s in the sweep against the oracle's "
+        "(the fastest swept plan that fits), rank 0, wall clock, one thread per rank.",
+        "",
+        f"Median OOMs to land: **{m['ooms']}**; median samples/s against the oracle: **{_fmt(m['fraction_of_oracle'])}**; "
+        f"finished: **{m['finished']} of {m['pairs']}**.",
+        "",
+        "| # | job | GPUs | cap | oracle | landed | OOMs | attempts | samples/s vs oracle |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in result["pairs"]:
+        out.append(
+            f"| {p['n']} | {p['job']}: {p['what']} | {p['gpus']} | {p['cap_bytes'] / 2**20:.2f} MiB ({p['share']:.2f}) | {p['oracle']} | "
+            f"{p['landed']} | {p['ooms']} | {p['attempts']} | {_fmt(p['fraction_of_oracle'])} |"
+        )
+    out += ["", "Sweeps (rank 0's peak and samples/s of every plan):", ""]
+    for name, job in result["jobs"].items():
+        out += [f"- {name} ({job['gpus']} GPUs): " + "; ".join(
+            f"[{label}] {m['peak_bytes'] / 2**20:.2f} MiB, {m['samples_per_s']:.0f}/s" for label, m in sorted(job["sweep"].items(), key=lambda kv: kv[1]["peak_bytes"])
+        )]
+    return out
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where multi_gpu_pairs.json and .md go")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="oomguard-multi-gpu-pairs-") as scratch:
+        result = measure(Path(scratch))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "multi_gpu_pairs.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / "multi_gpu_pairs.md").write_text(
+        "\n".join(["# Multi-GPU pairs", "", f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `.venv/bin/python bench/multi_gpu_pairs.py`.", "",
+                   *markdown_section(result)[2:]]) + "\n"
+    )
+    log(f"wrote {args.out / 'multi_gpu_pairs.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
