@@ -60,6 +60,7 @@ from typing import Any
 import command_pairs
 import contention_pairs
 import frozen_savings
+import multi_gpu_pairs
 import t2i_jobs
 
 # One thread per process, here and in every process started from here (workers, the CLI and
@@ -603,6 +604,7 @@ def main() -> int:
     parser.add_argument(
         "--no-contention-pairs", action="store_true", help="skip the pairs whose neighbour leaves mid-run (bench/contention_pairs.py)",
     )
+    parser.add_argument("--no-multi-gpu-pairs", action="store_true", help="skip the pairs on several GPUs (bench/multi_gpu_pairs.py)")
     args = parser.parse_args()
     whole = not args.jobs and not args.only
     if args.update_readme and not whole:
@@ -714,6 +716,7 @@ def main() -> int:
         # They are part of the whole job set, not of a selection.
         commands = None if args.no_command_pairs or not whole else command_pairs.measure(scratch / "command-pairs")
         contention = None if args.no_contention_pairs or not whole else contention_pairs.measure(scratch / "contention-pairs")
+        multi_gpu = None if args.no_multi_gpu_pairs or not whole else multi_gpu_pairs.measure(scratch / "multi-gpu-pairs")
     finally:
         pool.close()
         if args.keep_workdirs:
@@ -724,6 +727,7 @@ def main() -> int:
     summary = summarise(jobs, pairs, machine, args, planner)
     summary["command_pairs"] = commands
     summary["contention_pairs"] = contention
+    summary["multi_gpu_pairs"] = multi_gpu
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{results_name}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     plotted = plot(summary, args.out / f"{results_name}.png")
@@ -1049,6 +1053,8 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
         out += [*command_pairs.markdown_section(summary["command_pairs"]), ""]
     if summary.get("contention_pairs"):
         out += [*contention_pairs.markdown_section(summary["contention_pairs"]), ""]
+    if summary.get("multi_gpu_pairs"):
+        out += [*multi_gpu_pairs.markdown_section(summary["multi_gpu_pairs"]), ""]
     out += frozen_savings.markdown_section(summary["frozen_savings"], summary["frozen_parts"])
     out += ["## Sweeps", ""]
     for name, s in summary["sweeps"].items():
@@ -1139,6 +1145,13 @@ def update_readme(summary: dict[str, Any]) -> None:
             "",
             f"A neighbour that leaves mid-run (bench/contention_pairs.py): stepped back up in {c['stepped_up']} of {c['pairs']} pairs; "
             f"after it left, median {_fmt(c['after_vs_reference'], '.3f')} of the samples/s of the same job that never had a neighbour.",
+        ]
+    if summary.get("multi_gpu_pairs"):
+        c = multi_gpu_pairs.medians(summary["multi_gpu_pairs"])
+        lines += [
+            "",
+            f"Several GPUs (bench/multi_gpu_pairs.py: built-in jobs on 2 and 4 emulated devices): median {c['ooms']} OOM to land over "
+            f"{c['pairs']} pairs, median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s, {c['finished']} of {c['pairs']} finished.",
         ]
     if not replace_block("bench/ladder.py", lines):
         log("README.md has no summary markers in its Benchmarks section: not updated")

@@ -15,6 +15,12 @@ what oomguard lands on against the fastest plan that fits.
    did not fit, and attempts that ended on one), the plan it ended on, and its swept speed
    against the oracle's.
 
+4. Widen against stepping down: the state-2 job with ``resources.gpus = "1-2"`` under a real
+   daemon with two emulated GPUs of a cap its state does not fit on one, against the same job
+   with ``gpus = 1``; both without the probe, so that each first attempt runs out of memory on
+   one GPU and the doctor chooses (widen onto the free GPU, or step down on one). Speeds are
+   the final attempts' median samples/s (metrics.jsonl), run one after the other.
+
 Run alone with ``.venv/bin/python bench/multi_gpu_pairs.py``; ``make bench`` runs it inside
 bench/ladder.py.
 """
@@ -82,14 +88,14 @@ def log(text: str) -> None:
     print(f"[multi-gpu pairs] {text}", file=sys.stderr, flush=True)
 
 
-def job_text(job: Job) -> str:
+def job_text(job: Job, gpus: str | None = None, probe: bool = True) -> str:
     low, high = job.channels
     return (
         f'name = "{job.name}"\ntrainer = "unconditional"\n[data]\nsource = "synthetic:16"\nresolution = {job.resolution}\n'
         f'[model]\nblock_out_channels = [{low}, {high}]\nlayers_per_block = 1\n'
         'down_block_types = ["DownBlock2D", "DownBlock2D"]\nup_block_types = ["UpBlock2D", "UpBlock2D"]\nnorm_num_groups = 8\n'
         f"[train]\nbatch_size = {job.batch_size}\nmax_steps = {job.max_steps}\nlearning_rate = 1e-3\nseed = 0\ncheckpoint_every_steps = 5\n"
-        f"[ladder]\nallow = {json.dumps(list(ALLOW))}\n[resources]\ngpus = {job.gpus}\n"
+        f"[ladder]\nallow = {json.dumps(list(ALLOW))}\nprobe = {str(probe).lower()}\n[resources]\ngpus = {gpus or job.gpus}\n"
     )
 
 
@@ -167,7 +173,51 @@ def measure(scratch: Path) -> dict[str, Any]:
         }
         log(f"pair {n} {job.name} cap {cap / 2**20:.2f} MiB: oracle [{oracle}], landed [{landed}], {ooms} OOM(s), {record['state']}")
         rows.append(row)
-    return {"jobs": {name: {"what": j.what, "gpus": j.gpus, "sweep": sweeps[name]} for name, j in JOBS.items()}, "pairs": rows}
+    # The cap of the tightest state-2 pair: its state does not fit one GPU.
+    widen = widen_versus_step_down(scratch, min(row["cap_bytes"] for row in rows if row["job"] == "state-2"))
+    return {"jobs": {name: {"what": j.what, "gpus": j.gpus, "sweep": sweeps[name]} for name, j in JOBS.items()}, "pairs": rows, "widen": widen}
+
+
+def widen_versus_step_down(scratch: Path, cap: int) -> dict[str, Any]:
+    """The state-2 job on a daemon with two emulated GPUs of ``cap``: allowed to widen, and not."""
+    job = JOBS["state-2"]
+    runs = {}
+    for name, gpus in (("widen", '"1-2"'), ("step-down", "1")):
+        state = scratch / f"daemon-{name}"
+        state.mkdir(parents=True)
+        path = state / "job.toml"
+        path.write_text(job_text(Job(job.name, job.what, job.gpus, job.channels, job.resolution, job.batch_size, max_steps=30), gpus, probe=False))
+        oomguard = [str(BIN / "oomguard"), "--state-dir", str(state)]
+        daemon = subprocess.Popen([*oomguard, "daemon", "--poll-interval", "0.1", "--emulate-gpus", f"2x{cap}B"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, env=_environment())
+        try:
+            deadline = time.monotonic() + 30
+            while subprocess.run([*oomguard, "submit", str(path)], capture_output=True, env=_environment()).returncode != 0:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the daemon for {name} did not take the job")
+                time.sleep(0.5)
+            record: dict[str, Any] = {}
+            deadline = time.monotonic() + 900
+            while record.get("state") not in ("finished", "failed", "cancelled"):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name}: the job did not end in 900 s")
+                time.sleep(1)
+                shown = subprocess.run([*oomguard, "show", "1", "--json"], capture_output=True, text=True, env=_environment())
+                record = json.loads(shown.stdout) if shown.returncode == 0 else {}
+        finally:
+            daemon.terminate()
+            daemon.wait(timeout=120)
+        last = record["attempts"][-1]
+        steps = [json.loads(line) for line in (Path(last["directory"]) / "metrics.jsonl").read_text().splitlines()][1:]
+        from oomguard.strategies.plan import Plan
+
+        runs[name] = {
+            "state": record["state"], "gpus": last["gpus"], "plan": Plan.from_dict(last["outcome"]["plan"]).short(),
+            "attempts": len(record["attempts"]), "samples_per_s": statistics.median(s["samples_per_s"] for s in steps),
+            "rungs": [e["message"].split(":")[0] for e in record["events"] if e["kind"] == "escalated"],
+        }
+        log(f"{name}: {record['state']} on GPU(s) {last['gpus']} under [{runs[name]['plan']}], {runs[name]['samples_per_s']:.0f} samples/s")
+    return {"cap_bytes": cap, "runs": runs, "ratio": runs["widen"]["samples_per_s"] / runs["step-down"]["samples_per_s"]}
 
 
 def medians(result: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +252,20 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
             f"| {p['n']} | {p['job']}: {p['what']} | {p['gpus']} | {p['cap_bytes'] / 2**20:.2f} MiB ({p['share']:.2f}) | {p['oracle']} | "
             f"{p['landed']} | {p['ooms']} | {p['attempts']} | {_fmt(p['fraction_of_oracle'])} |"
         )
+    widen = result.get("widen")
+    if widen:
+        out += [
+            "",
+            f"Widen against stepping down (the state-2 job, no probe, a daemon with two emulated GPUs of {widen['cap_bytes'] / 2**20:.2f} MiB): "
+            f"the widened run trains at **{widen['ratio']:.2f}x** the samples/s of the run that stepped down on one GPU.",
+            "",
+            "| job's gpus | state | ended on GPU(s) | landed plan | attempts | what the doctor did | samples/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, run in widen["runs"].items():
+            gpus = '"1-2"' if name == "widen" else "1"
+            out.append(f"| {gpus} | {run['state']} | {run['gpus']} | {run['plan']} | {run['attempts']} | "
+                       f"{'; '.join(run['rungs'])} | {run['samples_per_s']:.0f} |")
     out += ["", "Sweeps (rank 0's peak and samples/s of every plan):", ""]
     for name, job in result["jobs"].items():
         out += [f"- {name} ({job['gpus']} GPUs): " + "; ".join(

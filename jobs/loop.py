@@ -98,6 +98,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
             back["restart"] = True  # nothing of this process can go on
         return run.ended(run.replan(back) if back is not None else oom)
     except RankAlone as alone:
+        run.measurements.extend(alone.measurements)
         return run.ended(alone.outcome)
     except (DiskFull, OSError) as error:
         # A full disk is not a crash: the attempt ends so that the job waits for room, and goes

@@ -10,8 +10,9 @@ largest micro-batch that fits), which is measured too before it is trusted.
 A job on several processes probes with all of them, in step: each plan is built and stepped on
 every rank, an OOM on any rank is every rank's (jobs/training.py agreed_oom), and a measurement
 is the largest peak, the smallest capacity and the slowest step of the ranks, so every rank
-makes the same choices. A sharded plan is not measured (an OOM inside its collectives ends the
-attempt): when the model's best choice is one, the probe starts there on its prediction.
+makes the same choices. A sharded plan is measured too, but an OOM inside its collectives
+cannot be agreed on: it ends the attempt (jobs/ranks.py stops the other ranks), with what the
+probe measured so far in its outcome (``RankAlone.measurements``), for the doctor.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.rank_group import PeerOutOfMemory, RankGroup
 from oomguard.jobs.spec import JobSpec
 from oomguard.jobs.trainers.base import Trainer
-from oomguard.jobs.training import Training, agreed_oom, build_training, free, one_step, oom_measurement, unfit_to_continue
+from oomguard.jobs.training import RankAlone, Training, agreed_oom, build_training, free, one_step, oom_measurement, unfit_to_continue
 from oomguard.strategies import planner, rungs
 from oomguard.strategies.memory_model import Measurement, MemoryModel, shape_of
 from oomguard.strategies.outcome import Outcome
@@ -84,7 +85,12 @@ def measure(
     failure: tuple[Measurement, Outcome] | None = None
     if ran is None:
         free(training)  # the failed step's gradients, before the ranks meet
-        agreed = agreed_oom(ranks, False, oom)
+        sharded = rungs.sharded(plan)
+        if sharded and oom is not None:
+            alone = RankAlone(oom)
+            alone.measurements = (oom_measurement(plan, oom.memory, training, 0),)
+            raise alone
+        agreed = agreed_oom(ranks, sharded, oom)
         assert agreed is not None  # some rank failed
         failure = oom_measurement(plan, agreed.memory, training, 0), agreed
     # The model and optimizer die here (nothing returned holds a tensor).
@@ -136,9 +142,11 @@ def run_probe(
     calibrations: list[Plan] | None = None
     clean = memory.live_bytes() or 0
     while next_plan is not None and len(measurements) < MAX_PROBED_PLANS:
-        if not ranks.solo and rungs.sharded(next_plan):
-            return ProbeResult(next_plan, tuple(measurements), f"probe: start at [{next_plan.short()}] as the memory model predicts (sharded plans are measured by training)")
-        measured, oom = measure(trainer, job, next_plan, device, memory, control, ranks=ranks)
+        try:
+            measured, oom = measure(trainer, job, next_plan, device, memory, control, ranks=ranks)
+        except RankAlone as alone:
+            alone.measurements = (*measurements, *alone.measurements)
+            raise
         measurements.append(measured)
         last_oom = oom or last_oom
         leftover = ranks.largest(unfit_to_continue(memory, clean) or 0) or None

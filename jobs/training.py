@@ -309,6 +309,8 @@ class RankAlone(Exception):
     def __init__(self, outcome: Outcome) -> None:
         super().__init__(outcome.message)
         self.outcome = outcome
+        # What was measured before it (the probe's plans), for the attempt's outcome.
+        self.measurements: tuple[Measurement, ...] = ()
 
 
 def agreed_oom(ranks: RankGroup, sharded: bool, oom: Outcome | None) -> Outcome | None:

@@ -10,49 +10,12 @@ The model is sharded when the process starts, so it takes a new attempt.
 
 from __future__ import annotations
 
-from typing import Any
-
-from oomguard.strategies.plan import Plan
 from oomguard.strategies.rungs import sharding
-from oomguard.strategies.rungs.base import MemoryTerms, Rung
 
-LEVEL: sharding.Level = "optimizer"
-
-
-def step(plan: Plan) -> Plan | None:
-    return sharding.step_to(plan, LEVEL)
-
-
-def describe(old: Plan, new: Plan) -> str:
-    if sharding.level(new) == LEVEL:
-        return f"shard the optimizer state and gradients across the {new.world_size} processes (exact)"
-    return f"{sharding.WHAT[LEVEL]} off (replaced by {sharding.WHAT[sharding.level(new)]})" if sharding.level(new) != "none" else f"{sharding.WHAT[LEVEL]} off"
-
-
-def memory(plan: Plan) -> MemoryTerms | None:
-    return sharding.terms(plan, LEVEL, time=1.03)
-
-
-def label(plan: Plan) -> str | None:
-    return "shard_optimizer" if sharding.level(plan) == LEVEL else None
-
-
-def shard_model(plan: Plan, model: Any, mesh: Any) -> str | None:
-    return sharding.shard(plan, model, LEVEL, mesh)
-
-
-RUNG = Rung(
-    name="shard_optimizer",
-    exact=True,
-    needs_restart=True,
-    step=step,
-    describe=describe,
-    knob=sharding.KNOBS[LEVEL],
-    default=False,
+RUNG = sharding.level_rung(
+    "shard_optimizer",
+    "optimizer",
+    time=1.03,
     shrinks=frozenset({"optimizer_state", "gradients"}),
-    memory=memory,
-    label=label,
-    conflict=sharding.conflict,
-    shard_model=shard_model,
-    needs=frozenset({"full_model", "shardable"}),
+    says="shard the optimizer state and gradients across the {ranks} processes (exact)",
 )

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.rungs.base import MemoryTerms
+from oomguard.strategies.rungs.base import Consumer, MemoryTerms, Rung
 
 Level = Literal["none", "optimizer", "params", "host"]
 LEVELS: tuple[Level, ...] = ("none", "optimizer", "params", "host")
@@ -131,3 +131,29 @@ def units(model: Any) -> list[Any]:
         elif any(p.requires_grad for p in child.parameters()) and any(True for _ in child.children()):
             found.append(child)
     return found
+
+
+def level_rung(name: str, of: Level, *, time: float, shrinks: frozenset[Consumer], says: str) -> Rung:
+    """The Rung of sharding level ``of``: named ``name``, its steps ``time`` slower, shrinking
+    ``shrinks``; ``says`` what it does, for events ("{ranks}" is the number of processes)."""
+
+    def describe(old: Plan, new: Plan) -> str:
+        if level(new) == of:
+            return says.format(ranks=new.world_size)
+        return f"{WHAT[of]} off (replaced by {WHAT[level(new)]})" if level(new) != "none" else f"{WHAT[of]} off"
+
+    return Rung(
+        name=name,
+        exact=True,
+        needs_restart=True,
+        step=lambda plan: step_to(plan, of),
+        describe=describe,
+        knob=KNOBS[of],
+        default=False,
+        shrinks=shrinks,
+        memory=lambda plan: terms(plan, of, time=time),
+        label=lambda plan: name if level(plan) == of else None,
+        conflict=conflict,
+        shard_model=lambda plan, model, mesh: shard(plan, model, of, mesh),
+        needs=frozenset({"full_model", "shardable"}),
+    )

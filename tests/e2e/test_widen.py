@@ -1,7 +1,8 @@
 """Widening: a built-in job with resources.gpus = "1-2" whose model state does not fit one
 emulated GPU, on a daemon with two free: its first attempt runs out of memory on one, and the
 doctor goes on on two with a sharding rung (an exact plan) instead of stepping down to an
-approximate one; the job finishes with the weights of the same job on two big GPUs."""
+approximate one (tests/e2e/test_sharding_lands.py holds such a plan's weights to the same job's
+on big GPUs). A widened job gives a GPU back to a job that waits for one."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
 from tests.e2e.conftest import oomguard, wait_for
 from tests.e2e.test_step_up_restart import WIDE
-from tests.jobs_helpers import TINY_JOB, assert_weights_allclose, load_final
+from tests.jobs_helpers import TINY_JOB
 
 pytestmark = pytest.mark.slow
 
@@ -44,14 +45,10 @@ def test_a_job_that_does_not_fit_one_gpu_widens_onto_a_free_one_and_finishes(tmp
     on = [r.name for r in rungs.ladder() if r.is_on(landed)]
     assert all(rungs.rung(name).exact for name in on) and any(name.startswith("shard_") for name in on), on
     (widened,) = [e for e in record["events"] if e["kind"] == "escalated"]
-    assert "widen" in widened["message"] or "2 processes" in widened["message"], widened
-
-    # The same job on two big GPUs from the start: the same weights (to float rounding).
-    big = daemon_factory("--emulate-gpus", "2x64MiB", state_dir=tmp_path / "big-state")
-    oomguard("submit", str(job_file(tmp_path, "big", "2")), state_dir=big.state_dir, check=True)
-    reference = big.wait_job("1", timeout=300)
-    assert reference["state"] == "finished"
-    assert_weights_allclose(load_final(Path(record["workdir"])), load_final(Path(reference["workdir"])), rtol=1e-3, atol=1e-4)
+    assert widened["message"].startswith("rung widen+"), widened
+    # Each step trained once (the first attempt ran out before its first step ended).
+    steps = [json.loads(line)["step"] for line in (Path(last["directory"]) / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
 
 
 def test_a_widened_job_gives_a_gpu_back_to_a_job_waiting_for_one_without_losing_a_step(tmp_path: Path, daemon_factory) -> None:

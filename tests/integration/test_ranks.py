@@ -18,7 +18,9 @@ from tests.jobs_helpers import assert_weights_allclose, load_final, run_runner, 
 
 pytestmark = pytest.mark.slow
 
-LEVELS = ("none", "shard_optimizer", "shard_params", "shard_offload")
+# shard_optimizer and shard_params train from a checkpoint to the one process's weights in the
+# resume test below; the other two levels from the start here.
+LEVELS = ("none", "shard_offload")
 
 
 def on_gpus(job: JobSpec, gpus: int) -> JobSpec:
