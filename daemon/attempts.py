@@ -209,7 +209,8 @@ class Attempts:
         how it ended); ``env`` gains what its processes need."""
         assert spec.command is not None
         # The store holds the job's [command.env] masked: the real values come from its secrets file.
-        argv, extra_env = render(with_env(spec.command, self.secrets.env(job.id)), plan, workdir, number)
+        placed = len(placement.gpus) if placement.gpus else spec.resources.gpus
+        argv, extra_env = render(with_env(spec.command, self.secrets.env(job.id)), plan, workdir, number, placed)
         env.update(extra_env)
         env.update(self._bootstrap_environment(job, spec, plan, env.get("PYTHONPATH", "")))
         env.update(placement.device.environment())

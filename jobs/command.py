@@ -30,18 +30,22 @@ def knob_is_on(plan: Plan, knob: str) -> bool:
     raise KeyError(knob)
 
 
-def values(plan: Plan, workdir: Path, attempt: int) -> dict[str, str]:
-    """What each placeholder (jobs/spec/keys.py placeholders) becomes for one attempt."""
-    known = {"batch_size": str(plan.batch_size), "processes": str(plan.world_size), "workdir": str(workdir), "attempt": str(attempt)}
+def values(plan: Plan, workdir: Path, attempt: int, gpus: int | None = None) -> dict[str, str]:
+    """What each placeholder (jobs/spec/keys.py placeholders) becomes for one attempt placed on
+    ``gpus`` GPUs (None: none placed; then as many as the plan has processes)."""
+    known = {
+        "batch_size": str(plan.batch_size), "processes": str(plan.world_size), "gpus": str(gpus if gpus else plan.world_size),
+        "workdir": str(workdir), "attempt": str(attempt),
+    }
     for r in rungs.ladder():
         if r.command is not None:
             known.update(r.command.values(plan))
     return known
 
 
-def render(command: CommandSpec, plan: Plan, workdir: Path, attempt: int) -> tuple[list[str], dict[str, str]]:
-    """The argv and the extra environment for one attempt under ``plan``."""
-    known = values(plan, workdir, attempt)
+def render(command: CommandSpec, plan: Plan, workdir: Path, attempt: int, gpus: int | None = None) -> tuple[list[str], dict[str, str]]:
+    """The argv and the extra environment for one attempt under ``plan`` on ``gpus`` GPUs."""
+    known = values(plan, workdir, attempt, gpus)
     argv = [argument.format_map(known) for argument in command.argv]
     for knob, arguments in command.when:
         if knob_is_on(plan, knob):

@@ -113,7 +113,7 @@ def _storage(t: Any) -> torch.UntypedStorage | None:
     # Sparse and other non-strided layouts have no single storage to count.
     if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
         return None
-    if is_traceable_wrapper_subclass(t):
+    if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # the common case first: a plain tensor
         # A sharded model's DTensor: its memory is its local shard's. Ops on it run inside the
         # subclass, out of this mode's sight, so its outputs are counted here by their shard.
         inner, _ = t.__tensor_flatten__()

@@ -116,9 +116,9 @@ class JobSpec:
         no whole model to turn into LoRA; only a text-to-image job has frozen encoders; only a
         job with train.ema keeps an average of its weights ("ema")."""
         ema = ("ema",) if self.train.ema else ()
-        # The sharding rungs shard a built-in trainer's whole model; an average of the weights
-        # (train.ema) is not sharded.
-        shardable = ("shardable",) if self.command is None and not self.train.ema else ()
+        # The sharding rungs shard a built-in trainer's whole model, but not an average of its
+        # weights (train.ema); a command job's script shards its own (its [command.when] keys).
+        shardable = ("shardable",) if self.command is not None or not self.train.ema else ()
         if isinstance(self.model, PipelineSpec):
             fixed_crops = isinstance(self.data, CaptionedDataSpec) and self.data.center_crop
             return frozenset({

@@ -72,6 +72,7 @@ _NOTIFY_KEYS = ("urls", "tags", "events")
 _JOB_PLACEHOLDERS = (
     Placeholder("batch_size", "the effective batch (micro_batch x grad_accum x processes)", listed=2),
     Placeholder("processes", "the training processes the command starts ([command] processes)", listed=3),
+    Placeholder("gpus", "the GPUs the attempt was placed on (accelerate launch --num_processes {gpus}, torchrun --nproc_per_node {gpus})", listed=3),
     Placeholder("workdir", "the job's work directory", listed=7),
     Placeholder("attempt", "the attempt number, from 1", listed=8),
 )

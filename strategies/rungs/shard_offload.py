@@ -15,5 +15,6 @@ RUNG = sharding.level_rung(
     "host",
     time=1.6,
     shrinks=frozenset({"parameters", "optimizer_state", "gradients"}),
+    listed=7,
     says="shard parameters, gradients and optimizer state across the {ranks} processes and keep the shards in host memory (exact; slower steps)",
 )

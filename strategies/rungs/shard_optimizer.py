@@ -17,5 +17,6 @@ RUNG = sharding.level_rung(
     "optimizer",
     time=1.03,
     shrinks=frozenset({"optimizer_state", "gradients"}),
+    listed=5,
     says="shard the optimizer state and gradients across the {ranks} processes (exact)",
 )

@@ -15,5 +15,6 @@ RUNG = sharding.level_rung(
     "params",
     time=1.08,
     shrinks=frozenset({"parameters", "optimizer_state", "gradients"}),
+    listed=6,
     says="shard parameters, gradients and optimizer state across the {ranks} processes (exact; each block gathered when used)",
 )

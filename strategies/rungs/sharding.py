@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from oomguard.strategies.plan import Plan
-from oomguard.strategies.rungs.base import Consumer, MemoryTerms, Rung
+from oomguard.strategies.rungs.base import CommandSide, Consumer, MemoryTerms, Rung, WhenKey
 
 Level = Literal["none", "optimizer", "params", "host"]
 LEVELS: tuple[Level, ...] = ("none", "optimizer", "params", "host")
@@ -133,9 +133,12 @@ def units(model: Any) -> list[Any]:
     return found
 
 
-def level_rung(name: str, of: Level, *, time: float, shrinks: frozenset[Consumer], says: str) -> Rung:
+def level_rung(name: str, of: Level, *, time: float, shrinks: frozenset[Consumer], says: str, listed: int) -> Rung:
     """The Rung of sharding level ``of``: named ``name``, its steps ``time`` slower, shrinking
-    ``shrinks``; ``says`` what it does, for events ("{ranks}" is the number of processes)."""
+    ``shrinks``; ``says`` what it does, for events ("{ranks}" is the number of processes). A
+    command job takes it through its [command.when] key of the same name (the arguments that
+    turn the script's own sharding on, e.g. an accelerate config with FSDP), ``listed`` among
+    the keys."""
 
     def describe(old: Plan, new: Plan) -> str:
         if level(new) == of:
@@ -156,4 +159,5 @@ def level_rung(name: str, of: Level, *, time: float, shrinks: frozenset[Consumer
         conflict=conflict,
         shard_model=lambda plan, model, mesh: shard(plan, model, of, mesh),
         needs=frozenset({"full_model", "shardable"}),
+        command=CommandSide(when=WhenKey(name, f"{WHAT[of]} across the processes", listed=listed), needs=(f"when:{name}",)),
     )

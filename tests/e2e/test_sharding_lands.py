@@ -24,7 +24,7 @@ SHARDING = ("shard_optimizer", "shard_params", "shard_offload")
 
 
 def run(folder: Path, *extra: str, probe: bool = True) -> dict[str, Any]:
-    text = TINY_JOB.format(name="wide", batch_size=8, max_steps=8, checkpoint_every_steps=2, keep_checkpoints=2)
+    text = TINY_JOB.format(name="wide", batch_size=8, max_steps=6, checkpoint_every_steps=2, keep_checkpoints=2)
     for tiny, wide in WIDE.items():
         text = text.replace(tiny, wide)
     text = text.replace("seed = 0", "seed = 0\nmicro_batch = 2")

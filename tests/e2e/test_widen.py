@@ -58,7 +58,7 @@ def test_a_widened_job_gives_a_gpu_back_to_a_job_waiting_for_one_without_losing_
     (host offload, exact), from that checkpoint. Both jobs finish; no step of the first is
     trained twice or skipped."""
     daemon = daemon_factory("--emulate-gpus", "2x9MiB", "--gpu-sample-seconds", "0.2")
-    text = TINY_JOB.format(name="wide", batch_size=8, max_steps=60, checkpoint_every_steps=5, keep_checkpoints=2)
+    text = TINY_JOB.format(name="wide", batch_size=8, max_steps=30, checkpoint_every_steps=5, keep_checkpoints=2)
     for tiny, wide in WIDE.items():
         text = text.replace(tiny, wide)
     widened = tmp_path / "wide.toml"
@@ -85,4 +85,4 @@ def test_a_widened_job_gives_a_gpu_back_to_a_job_waiting_for_one_without_losing_
         json.loads(line)["step"] for attempt in first["attempts"]
         for line in (Path(attempt["directory"]) / "metrics.jsonl").read_text().splitlines()
     ]
-    assert steps == list(range(1, 61)), steps
+    assert steps == list(range(1, 31)), steps

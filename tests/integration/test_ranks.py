@@ -18,8 +18,8 @@ from tests.jobs_helpers import assert_weights_allclose, load_final, run_runner, 
 
 pytestmark = pytest.mark.slow
 
-# shard_optimizer and shard_params train from a checkpoint to the one process's weights in the
-# resume test below; the other two levels from the start here.
+# shard_optimizer (to a checkpoint) and shard_params (from it) train to the one process's
+# weights in the resume test below; the other two levels from the start here.
 LEVELS = ("none", "shard_offload")
 
 
@@ -65,13 +65,14 @@ def test_two_ranks_train_the_weights_of_one_process(tmp_path, one_process, level
     assert all("2 processes" in line["plan"] for line in lines)
 
 
-def test_a_sharded_checkpoint_resumes_on_one_two_and_four_ranks(tmp_path, one_process):
+def test_a_sharded_checkpoint_resumes_on_one_and_four_ranks(tmp_path, one_process):
     _, alone = one_process
-    # Trained to step 4 on 2 ranks with sharded parameters; each run below goes on from there.
-    first, sharded = train(tmp_path, "sharded", 2, "shard_params", max_steps=4)
+    # Trained to step 4 on 2 ranks with sharded optimizer state; each run below goes on from
+    # its checkpoint at step 2.
+    first, sharded = train(tmp_path, "sharded", 2, "shard_optimizer", max_steps=4)
     checkpoint = sharded / "checkpoints" / "step-000002"
     assert (checkpoint / "dcp" / ".metadata").exists() and not (checkpoint / "model.safetensors").exists()
-    for gpus, level in ((1, "none"), (2, "shard_optimizer"), (4, "shard_params")):
+    for gpus, level in ((1, "none"), (4, "shard_params")):
         workdir = tmp_path / f"resume-{gpus}"
         # Only the step-2 checkpoint: the resume has 4 steps to train.
         (workdir / "checkpoints").mkdir(parents=True)
