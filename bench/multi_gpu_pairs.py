@@ -173,8 +173,9 @@ def measure(scratch: Path) -> dict[str, Any]:
         }
         log(f"pair {n} {job.name} cap {cap / 2**20:.2f} MiB: oracle [{oracle}], landed [{landed}], {ooms} OOM(s), {record['state']}")
         rows.append(row)
-    # The cap of the tightest state-2 pair: its state does not fit one GPU.
-    widen = widen_versus_step_down(scratch, min(row["cap_bytes"] for row in rows if row["job"] == "state-2"))
+    # The cap of the loosest state-2 pair: the job's state does not fit one GPU, but host offload
+    # does (a tighter cap leaves one GPU no exact plan: nothing to step down to).
+    widen = widen_versus_step_down(scratch, max(row["cap_bytes"] for row in rows if row["job"] == "state-2"))
     return {"jobs": {name: {"what": j.what, "gpus": j.gpus, "sweep": sweeps[name]} for name, j in JOBS.items()}, "pairs": rows, "widen": widen}
 
 
@@ -213,11 +214,12 @@ def widen_versus_step_down(scratch: Path, cap: int) -> dict[str, Any]:
 
         runs[name] = {
             "state": record["state"], "gpus": last["gpus"], "plan": Plan.from_dict(last["outcome"]["plan"]).short(),
-            "attempts": len(record["attempts"]), "samples_per_s": statistics.median(s["samples_per_s"] for s in steps),
+            "attempts": len(record["attempts"]), "samples_per_s": statistics.median(s["samples_per_s"] for s in steps) if steps else None,
             "rungs": [e["message"].split(":")[0] for e in record["events"] if e["kind"] == "escalated"],
         }
-        log(f"{name}: {record['state']} on GPU(s) {last['gpus']} under [{runs[name]['plan']}], {runs[name]['samples_per_s']:.0f} samples/s")
-    return {"cap_bytes": cap, "runs": runs, "ratio": runs["widen"]["samples_per_s"] / runs["step-down"]["samples_per_s"]}
+        log(f"{name}: {record['state']} on GPU(s) {last['gpus']} under [{runs[name]['plan']}], {runs[name]['samples_per_s']} samples/s")
+    rates = [runs[name]["samples_per_s"] for name in ("widen", "step-down")]
+    return {"cap_bytes": cap, "runs": runs, "ratio": rates[0] / rates[1] if all(rates) else None}
 
 
 def medians(result: dict[str, Any]) -> dict[str, Any]:
@@ -241,7 +243,7 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
         "included) and every attempt that ended on one; speed is the landed plan's samples/s in the sweep against the oracle's "
         "(the fastest swept plan that fits), rank 0, wall clock, one thread per rank.",
         "",
-        f"Median OOMs to land: **{m['ooms']}**; median samples/s against the oracle: **{_fmt(m['fraction_of_oracle'])}**; "
+        f"Median OOMs to land: **{m['ooms']}**; median samples/s against the oracle: **{_fmt(m['fraction_of_oracle'], '.3f')}**; "
         f"finished: **{m['finished']} of {m['pairs']}**.",
         "",
         "| # | job | GPUs | cap | oracle | landed | OOMs | attempts | samples/s vs oracle |",
@@ -257,7 +259,7 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
         out += [
             "",
             f"Widen against stepping down (the state-2 job, no probe, a daemon with two emulated GPUs of {widen['cap_bytes'] / 2**20:.2f} MiB): "
-            f"the widened run trains at **{widen['ratio']:.2f}x** the samples/s of the run that stepped down on one GPU.",
+            f"the widened run trains at **{_fmt(widen['ratio'])}x** the samples/s of the run that stepped down on one GPU.",
             "",
             "| job's gpus | state | ended on GPU(s) | landed plan | attempts | what the doctor did | samples/s |",
             "|---|---|---|---|---|---|---|",
@@ -265,7 +267,7 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
         for name, run in widen["runs"].items():
             gpus = '"1-2"' if name == "widen" else "1"
             out.append(f"| {gpus} | {run['state']} | {run['gpus']} | {run['plan']} | {run['attempts']} | "
-                       f"{'; '.join(run['rungs'])} | {run['samples_per_s']:.0f} |")
+                       f"{'; '.join(run['rungs'])} | {_fmt(run['samples_per_s'])} |")
     out += ["", "Sweeps (rank 0's peak and samples/s of every plan):", ""]
     for name, job in result["jobs"].items():
         out += [f"- {name} ({job['gpus']} GPUs): " + "; ".join(
@@ -274,8 +276,8 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def main() -> int:
