@@ -199,3 +199,19 @@ def test_a_rank_that_died_without_an_outcome_is_a_crash_and_the_others_were_stop
     outcome = attempt_outcome(tmp_path, [RankEnd(1, -9, 1.0, torn_down=False), RankEnd(0, -9, 6.0, torn_down=True)])
     assert outcome["kind"] == "crashed" and "rank 1 of 2 was killed by signal 9 without an outcome" in outcome["message"]
     assert "rank 0 stopped 5 s after the first end" in outcome["message"]
+
+
+def test_on_several_processes_a_one_size_line_is_read_optimistically_for_the_probe() -> None:
+    """A shape measured at one micro-batch: its slope rests on rough terms. On several processes
+    the probe's question "could a larger micro-batch fit?" reads the excess as fixed cost (under
+    sharding a larger micro-batch measured lower); on one process it stays a slope."""
+    from oomguard.strategies.memory_model import MemoryModel
+
+    # 2 MiB of weights, gradients and AdamW state; 2.6 MiB more at micro-batch 1.
+    static = {"parameters": MiB // 2, "trainable": MiB // 2, "optimizer_state": MiB, "frozen": 0}
+    for width, could in ((2, True), (1, False)):
+        shape = Plan.initial(8, world_size=width, micro_batch=1)
+        model = MemoryModel([Measurement(plan=shape, fits=True, peak_bytes=int(4.6 * MiB), capacity=5 * MiB, samples_per_s=20.0, static=static)])
+        larger = shape.replace(micro_batch=8 // width)
+        assert model.fits(larger, 5 * MiB) is False
+        assert model.fits(larger, 5 * MiB, optimistic=True) is could, width
