@@ -253,17 +253,8 @@ class Lifecycle:
                 data={"step": outcome.step}, next_step=f"nothing: the job has ended; submit it again to go on from its checkpoint in {job.workdir}",
             )
             return None
-        if job.narrow_plan is not None:
-            # Asked to give GPUs back (daemon/narrowing.py): whatever ended the attempt, the ask
-            # is answered; an attempt stopped for it goes on, from its checkpoint, on fewer GPUs.
-            narrowing = json.loads(job.narrow_plan)
-            self.store.update_job(job.id, narrow_plan=None)
-            if outcome.kind == "interrupted" and not stopping:
-                self.escalate(
-                    job, Plan.from_dict(narrowing["plan"]), narrowing["rung"], narrowing["reason"],
-                    next_step="the next attempt runs on fewer GPUs from the checkpoint it wrote", old_plan=outcome.plan or job.plan,
-                )
-                return None
+        if job.narrow_plan is not None and self._narrowed(job, outcome, stopping):
+            return None
         if outcome.kind == "interrupted" and stopping:
             self.requeue(job, f"stopped with the daemon at step {outcome.step}; it resumes when the daemon starts again", code="daemon_stopped", data={"step": outcome.step})
             return None
@@ -304,6 +295,21 @@ class Lifecycle:
                 code="gave_up", data={"outcome": outcome.kind, "step": outcome.step},
             )
         return decision
+
+    def _narrowed(self, job: JobRow, outcome: Outcome, stopping: bool) -> bool:
+        """A job asked to give GPUs back (daemon/narrowing.py): whatever ended its attempt, the
+        ask is answered; an attempt stopped for it goes on, from its checkpoint, on fewer GPUs
+        (True: queued so)."""
+        assert job.narrow_plan is not None
+        narrowing = json.loads(job.narrow_plan)
+        self.store.update_job(job.id, narrow_plan=None)
+        if outcome.kind != "interrupted" or stopping:
+            return False
+        self.escalate(
+            job, Plan.from_dict(narrowing["plan"]), narrowing["rung"], narrowing["reason"],
+            next_step="the next attempt runs on fewer GPUs from the checkpoint it wrote", old_plan=outcome.plan or job.plan,
+        )
+        return True
 
     def _end_command_job(self, job: JobRow, spec: JobSpec) -> None:
         """A finished command job, checked against its target (the steps of its job file, the

@@ -21,26 +21,29 @@ from oomguard.strategies.doctor import narrowed
 
 
 def narrow_for_waiting_jobs(
-    store: Store, events: Events, gpus: Sequence[Any], spec_of: Callable[[JobRow], JobSpec], request_stop: Callable[[AttemptRow], None],
+    store: Store, events: Events, read_gpus: Callable[[], Sequence[Any]], spec_of: Callable[[JobRow], JobSpec], request_stop: Callable[[AttemptRow], None],
 ) -> None:
-    """Ask each widened job that holds GPUs a waiting job could use to give them back."""
-    waiting = [job for job in store.queued_jobs() if job.waiting is not None and job.disk_path is None and job.wait_free_bytes is None]
-    if not waiting:
-        return
-    totals = {gpu.index: gpu.total for gpu in gpus}
+    """Ask each widened job that holds GPUs a waiting job could use to give them back. Runs at
+    every tick: the queue is read only while some running job is widened (the running attempts
+    are few; a queue may hold thousands of jobs)."""
+    widened: list[tuple[AttemptRow, JobRow, JobSpec]] = []
     for attempt in store.running_attempts():
         if attempt.term_sent_at or not attempt.gpus:
             continue
         job = store.job(attempt.job_id)
         spec = spec_of(job)
-        plan = job.plan
-        if job.narrow_plan is not None or spec.command is not None or plan.world_size <= spec.resources.gpus:
-            continue
-        claimant = next((other for other in waiting if other.id != job.id and other.priority >= job.priority), None)
+        if job.narrow_plan is None and spec.command is None and job.plan.world_size > spec.resources.gpus:
+            widened.append((attempt, job, spec))
+    if not widened:
+        return
+    waiting = [job for job in store.queued_jobs() if job.waiting is not None and job.disk_path is None and job.wait_free_bytes is None]
+    totals = {gpu.index: gpu.total for gpu in read_gpus()}
+    for attempt, job, spec in widened:
+        claimant = next((other for other in waiting if other.priority >= job.priority), None)
         if claimant is None:
             continue
         capacity = min(totals.get(index, 0) for index in attempt.gpus)
-        decision = narrowed(plan, past_attempts(store.attempts(job.id)), spec.policy(), spec.resources.gpus, capacity)
+        decision = narrowed(job.plan, past_attempts(store.attempts(job.id)), spec.policy(), spec.resources.gpus, capacity)
         if decision is None:
             continue
         store.update_job(job.id, narrow_plan=json.dumps({"plan": decision.plan.to_dict(), "rung": decision.rung, "reason": decision.reason}))

@@ -138,7 +138,7 @@ class Supervisor:
         if self.gpus is None:
             return
         try:
-            narrow_for_waiting_jobs(self.store, self.events, self.gpus.read(), self.jobs.spec, self.attempts.request_stop)
+            narrow_for_waiting_jobs(self.store, self.events, self.gpus.read, self.jobs.spec, self.attempts.request_stop)
         except Exception as error:  # noqa: BLE001 - the queue goes on; the widened job keeps its GPUs
             log_error("giving widened jobs' GPUs back", error)
 

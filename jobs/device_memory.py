@@ -1,8 +1,5 @@
 """Device memory capacity: emulated on the CPU, or enforced on a real GPU.
 
-(Over 400 lines: one idea, the counting dispatch mode with the bookkeeping it needs to track,
-move and refuse storages; the runner's view of it is jobs/memory_cap.py.)
-
 The project is tested without a GPU, so training runs for real on the CPU and only the
 *capacity* of device memory is emulated. ``EmulatedDevice`` installs a
 ``TorchDispatchMode`` that sees every aten op (forward, backward, optimizer step,
@@ -14,9 +11,10 @@ capacity is exceeded, so the code that survives real OOMs is exercised unchanged
 On a machine with CUDA, ``limit_cuda_memory`` makes a big card behave like a small one,
 and the OOMs are PyTorch's own.
 
-One idea, one file (past 400 lines): the device's accounting, the two modes that feed it (ops
-that allocate; tensors a script sends to its device) and the OOM it raises share the storage
-table and cannot be split without exposing it.
+One idea, one file (past 400 lines): the device's accounting, what feeds it (ops that
+allocate; tensors a script sends to its device; storages FSDP resizes in place) and the OOM it
+raises share the storage table and cannot be split without exposing it. The runner's view of
+it is jobs/memory_cap.py.
 """
 
 from __future__ import annotations

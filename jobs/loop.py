@@ -6,8 +6,10 @@ each way of ending into an Outcome.
 resume from the newest usable checkpoint), ``run_steps`` (each step, with in-process recovery
 from an OOM, reporting and periodic checkpoints), ``finish`` (the final model); ``ended`` gives
 whichever Outcome ended it what the attempt learnt (plans, measurements, rungs taken).
-Over 400 lines: the steps of one attempt share its state (progress, plan records, control,
-the step ups); what each step writes is jobs/step_report.py's.
+On several processes each rank runs this loop; the ranks meet where they must agree (a stop,
+an OOM, a checkpoint, rank 0's decisions: jobs/rank_group.py). Over 400 lines: the steps of one
+attempt share its state (progress, plan records, control, the step ups, the ranks); what each
+step writes is jobs/step_report.py's, what the ranks agree on jobs/rank_group.py's.
 """
 
 from __future__ import annotations

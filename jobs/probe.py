@@ -87,9 +87,7 @@ def measure(
         free(training)  # the failed step's gradients, before the ranks meet
         sharded = rungs.sharded(plan)
         if sharded and oom is not None:
-            alone = RankAlone(oom)
-            alone.measurements = (oom_measurement(plan, oom.memory, training, 0),)
-            raise alone
+            raise RankAlone(oom, (oom_measurement(plan, oom.memory, training, 0),))
         agreed = agreed_oom(ranks, sharded, oom)
         assert agreed is not None  # some rank failed
         failure = oom_measurement(plan, agreed.memory, training, 0), agreed
@@ -145,8 +143,7 @@ def run_probe(
         try:
             measured, oom = measure(trainer, job, next_plan, device, memory, control, ranks=ranks)
         except RankAlone as alone:
-            alone.measurements = (*measurements, *alone.measurements)
-            raise
+            raise RankAlone(alone.outcome, (*measurements, *alone.measurements)) from None
         measurements.append(measured)
         last_oom = oom or last_oom
         leftover = ranks.largest(unfit_to_continue(memory, clean) or 0) or None

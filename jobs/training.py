@@ -306,11 +306,11 @@ class RankAlone(Exception):
     """This rank ran out of memory where the other ranks cannot learn of it (inside a sharded
     model's collectives): it ends alone, and jobs/ranks.py stops the others. Holds the Outcome."""
 
-    def __init__(self, outcome: Outcome) -> None:
+    def __init__(self, outcome: Outcome, measurements: tuple[Measurement, ...] = ()) -> None:
         super().__init__(outcome.message)
         self.outcome = outcome
-        # What was measured before it (the probe's plans), for the attempt's outcome.
-        self.measurements: tuple[Measurement, ...] = ()
+        # What was measured up to it (the probe's plans), for the attempt's outcome.
+        self.measurements = measurements
 
 
 def agreed_oom(ranks: RankGroup, sharded: bool, oom: Outcome | None) -> Outcome | None:

@@ -20,6 +20,7 @@ from oomguard.strategies.contention import Contention, bytes_to_wait_for, find_c
 from oomguard.strategies.doctor_cluster import after_time_limit, continues, more_host_memory
 from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait, own_plan
 from oomguard.strategies.doctor_disk import after_disk_full
+from oomguard.strategies.doctor_width import NARROW, at_width, rungs_taken, widened_candidates
 from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.oom_judge import is_fragmentation
 from oomguard.strategies.outcome import Outcome
@@ -334,7 +335,7 @@ def _plan_by_numbers(
         return None
     choice = planner.choose(origin, allowed, model, capacity)
     if choice is not None:
-        return NextPlan(plan=choice.plan, rung=_taken(plan, choice.plan), reason=f"{diagnosis} -> {choice.summary(capacity)}")
+        return NextPlan(plan=choice.plan, rung=rungs_taken(plan, choice.plan), reason=f"{diagnosis} -> {choice.summary(capacity)}")
     # No plan fits with the margins of predictions (8 % for a shape's own line, 15 % for one
     # carried over by the rungs' factors, which are rounded from this project's UNet2DModel; a
     # Stable Diffusion UNet's differ: bench/results/ladder-t2i.md). A plan that may fit with the
@@ -343,7 +344,7 @@ def _plan_by_numbers(
     hopeful = planner.choose(origin, allowed, model, capacity, optimistic=True)
     if hopeful is not None:
         return NextPlan(
-            plan=hopeful.plan, rung=_taken(plan, hopeful.plan),
+            plan=hopeful.plan, rung=rungs_taken(plan, hopeful.plan),
             reason=f"{diagnosis} -> {hopeful.summary(capacity)}, the closest plan to fitting (no plan is predicted to fit with a full margin)",
         )
     everything = [p for p in candidate_plans(origin, [n for n in policy.usable if n not in policy.unsafe]) if p not in failed]
@@ -357,51 +358,18 @@ def _plan_by_numbers(
     return give_up(f"{diagnosis}; no plan fits {format_bytes(capacity)}, even with every rung oomguard has", history, policy)
 
 
-# What a change of plan onto more processes is called in events, and back onto fewer (no
-# rungs: the job's resources.gpus range allows them, when the daemon has GPUs free, and when
-# another job waits for them).
-WIDEN = "widen"
-NARROW = "narrow"
-
-
-def widened_candidates(origin: Plan, plan: Plan, policy: Policy) -> list[Plan]:
-    """Every plan the allowed rungs reach on the plan's number of processes and, where the
-    policy lets the job widen (Policy.widest), on each larger number that splits the batch."""
-    widths = [plan.world_size] + [
-        width for width in range(plan.world_size + 1, (policy.widest or 0) + 1) if origin.batch_size % width == 0
-    ]
-    plans: list[Plan] = []
-    for width in widths:
-        start = origin.replace(world_size=width, micro_batch=min(origin.micro_batch, origin.batch_size // width))
-        plans += candidate_plans(start, policy.allow)
-    return plans
-
-
 def narrowed(plan: Plan, history: Sequence[PastAttempt], policy: Policy, width: int, capacity: int) -> NextPlan | None:
     """The plan a widened job goes on under on ``width`` processes (fewer), to give GPUs back
     to a job waiting for them: the best the memory model says fits ``capacity`` per GPU; None
     when none does (the job keeps its GPUs)."""
     origin = _origin(plan, history, policy)
-    start = origin.replace(world_size=width, micro_batch=min(origin.micro_batch, origin.batch_size // width))
+    start = at_width(origin, width)
     failed = {past.plan for past in history if past.outcome.kind == "oom" and contention_of(past) is None}
     candidates = [p for p in candidate_plans(start, policy.allow) if p not in failed]
     choice = planner.choose(origin, candidates, MemoryModel(measurements_of(history)), capacity)
     if choice is None:
         return None
     return NextPlan(plan=choice.plan, rung="+".join((NARROW, *rungs_between(plan, choice.plan))), reason=f"back onto {width} GPU(s): {choice.summary(capacity)}")
-
-
-def _taken(old: Plan, new: Plan) -> str:
-    """The rungs a change of plan took, as events name them ("widen" first when it adds
-    processes)."""
-    taken = rungs_between(old, new) or (_batch_rungs() if new.world_size == old.world_size else ())
-    return "+".join(((WIDEN,) if new.world_size > old.world_size else ()) + taken)
-
-
-def _batch_rungs() -> tuple[str, ...]:
-    """What a plan that differs from the last only in how its batch is run took (the planner's
-    answer may equal the plan the process ran, at another micro-batch)."""
-    return tuple(r.name for r in rungs.ladder() if r.role == "batch")
 
 
 def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], policy: Policy, failed: set[Plan], diagnosis: str) -> Decision:
@@ -436,8 +404,7 @@ def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: P
         choice = planner.choose(plan, candidates, model, capacity)
         if choice is None:
             return None
-        taken = rungs_between(plan, choice.plan) or _batch_rungs()
-        return NextPlan(plan=choice.plan, rung="+".join(taken), reason=f"in-process -> {choice.summary(capacity)}")
+        return NextPlan(plan=choice.plan, rung=rungs_taken(plan, choice.plan), reason=f"in-process -> {choice.summary(capacity)}")
     # No numbers: the allowed in-process rungs in ladder order (halve the micro-batch, then
     # checkpointing, then attention).
     for rung in rungs.ladder():
