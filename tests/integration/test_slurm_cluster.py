@@ -23,6 +23,14 @@ def read(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
+def wait_for_line(path: Path, line: str, timeout: float) -> None:
+    """RUNNING comes before the batch script starts on the node: wait for what it prints."""
+    deadline = time.monotonic() + timeout
+    while line not in read(path).splitlines():
+        assert time.monotonic() < deadline, f"the batch script did not print {line!r} in {timeout} s: {read(path)!r}"
+        time.sleep(0.05)
+
+
 def test_parse_fields_keeps_spaces_in_paths_and_equals_in_values():
     line = "JobId=7 JobName=x MCS_label=N/A ReqB:S:C:T=0:0:*:* TRES=cpu=1,mem=100M CPUs/Task=1 Command=/tmp/a b/job.sh WorkDir=/tmp/a b Power= "
     fields = parse_fields(line)
@@ -67,11 +75,8 @@ def test_a_requeued_job_runs_again(slurm_cluster, tmp_path):  # noqa: F811
     # `sleep & wait`: the batch shell can then take signals while the payload runs.
     job = submit(slurm_cluster, tmp_path, 'echo "run $SLURM_RESTART_COUNT"\nsleep 300 & wait\n', "--open-mode=append")
     wait_for_state(slurm_cluster, job, "RUNNING", timeout=20)
-    # RUNNING comes before the batch script starts on the node: a requeue at once can land first.
-    deadline = time.monotonic() + 10
-    while "run" not in read(tmp_path / "out"):
-        assert time.monotonic() < deadline, "the batch script did not start in 10 s"
-        time.sleep(0.05)
+    # A requeue before the script has printed could land first.
+    wait_for_line(tmp_path / "out", "run ", timeout=10)
     result = slurm_cluster.run("scontrol", "requeue", job)
     assert result.returncode == 0, result.stderr
     # Back in PENDING (Reason=BeginTime) until cred_expire (10 s) has passed, then started again.
@@ -79,6 +84,8 @@ def test_a_requeued_job_runs_again(slurm_cluster, tmp_path):  # noqa: F811
     assert fields["Restarts"] == "1"
     fields = wait_for_state(slurm_cluster, job, "RUNNING", timeout=20)
     assert fields["Restarts"] == "1"
+    # Likewise a cancel before the second run has printed (CI once saw only "run ").
+    wait_for_line(tmp_path / "out", "run 1", timeout=10)
     slurm_cluster.run("scancel", job)
     fields = wait_for_state(slurm_cluster, job, "CANCELLED", timeout=15)
     lines = read(tmp_path / "out").splitlines()
