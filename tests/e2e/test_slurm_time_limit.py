@@ -1,7 +1,7 @@
 """A Slurm time limit shorter than the job's run (--time=1 minute, the signal 30 s before it),
 on a real cluster (tests/slurm_cluster.py): the job goes on across Slurm jobs to its target
 step, each continuation resuming at the step the one before stopped at. In a file of its own:
-it takes one to two minutes, beside the other Slurm tests rather than after them."""
+it takes about a minute, beside the other Slurm tests rather than after them."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ pytestmark = pytest.mark.slow
 def test_a_time_limit_is_continued_across_slurm_jobs_to_the_target_step_losing_no_step(
     tmp_path: Path, daemon_factory, cluster, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # At least 0.25 s per step: 280 steps are 70 s of training or more. Slurm sends the signal
+    # At least 0.25 s per step: 160 steps are 40 s of training or more. Slurm sends the signal
     # 30 s before the limit or up to a minute earlier, never later, so a one-minute job trains
-    # 31 s at most (124 steps): two cannot finish it. No periodic checkpoint.
+    # 31 s at most (124 steps): one cannot finish it. No periodic checkpoint.
     monkeypatch.setenv("OOMGUARD_INJECT_FAULT", "slow_steps@0.25")
-    steps = 280
+    steps = 160
     job = job_file(tmp_path, "long", max_steps=steps, checkpoint_every_steps=100_000, extra='\n[resources]\ntime_limit = "1"\n')
     state = tmp_path / "state"
     daemon = daemon_factory("--config", str(daemon_config(tmp_path, signal_seconds=30)), state_dir=state)
@@ -33,7 +33,7 @@ def test_a_time_limit_is_continued_across_slurm_jobs_to_the_target_step_losing_n
 
     assert record["state"] == "finished", daemon.output()
     attempts = attempts_of(record)
-    assert len(attempts) >= 3, [a["outcome"]["kind"] for a in attempts]
+    assert len(attempts) >= 2, [a["outcome"]["kind"] for a in attempts]
     assert len({a["scheduler_id"] for a in attempts}) == len(attempts)
     assert [a["outcome"]["kind"] for a in attempts] == ["time_limit"] * (len(attempts) - 1) + ["finished"]
     assert attempts[-1]["outcome"]["step"] == steps
