@@ -20,6 +20,7 @@ from oomguard.daemon.as_user import child_environment, spawn_options
 from oomguard.daemon.clock import Clock
 from oomguard.daemon.cluster_queue import ClusterQueue
 from oomguard.daemon.conclude import conclude, ended_summary
+from oomguard.daemon.creep_watch import CreepWatch
 from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.job_secrets import with_env
 from oomguard.daemon.launch import Exit, Handle, Launcher, LaunchRequest, Resources
@@ -115,7 +116,7 @@ def files_of(store: Store, attempt: AttemptRow) -> AttemptFiles:
 
 class Attempts:
     """Starts a job's next attempt through the Launcher, watches the running ones (stop
-    deadline, stalls, rungs the runner took itself), adopts what an earlier daemon left, and
+    deadline, stalls, rungs the runner took itself, memory that creeps up), adopts what an earlier daemon left, and
     collects each that ended: its Outcome (conclude) recorded, and ``after`` told."""
 
     def __init__(
@@ -136,6 +137,7 @@ class Attempts:
         self.pause = pause  # the job starts again no earlier than this many seconds from now
         self.running: dict[int, Running] = {}
         self.queue = ClusterQueue(store, clock, launcher, lifecycle, events)  # where a batch scheduler has them
+        self.creep = CreepWatch(store, events, clock)
 
     def files_of(self, attempt: AttemptRow) -> AttemptFiles:
         return files_of(self.store, attempt)
@@ -333,9 +335,11 @@ class Attempts:
             self._report_live_recoveries(attempt)
             if queued is None or queued.state == "RUNNING":  # waiting in a cluster's queue is not a stall
                 self._check_stalled(attempt)
+                self.creep.check(attempt, self.files_of)
             return
         del self.running[attempt_id]
         self.queue.forget(attempt_id)
+        self.creep.forget(attempt_id)
         uid = owner_uid(self.store.job(attempt.job_id))
         with self.files_of(attempt) as files:
             ended = self.launcher.collect(running.handle, uid, files)

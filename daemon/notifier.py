@@ -54,6 +54,7 @@ _NOTIFY_TYPES = {
     "escalated": apprise.NotifyType.WARNING,
     "stalled": apprise.NotifyType.WARNING,
     "waiting_for_disk": apprise.NotifyType.WARNING,
+    "creep": apprise.NotifyType.WARNING,
 }
 
 

@@ -11,6 +11,10 @@ step's loss is NaN, and a checkpoint written at that step holds NaN weights.
 sleep), so that a test of a cluster's time limit knows how long its training takes however
 busy the machine is.
 
+``OOMGUARD_INJECT_FAULT=leak_per_step@BYTES``: every optimizer step keeps BYTES more on the
+device (a tensor appended to a list, as a callback that keeps each step's outputs would), so
+that the daemon's creep watch has a leak to find before it ends in an OOM.
+
 The runner (jobs/run.py) asks ``injected_fault()`` once at start and, only when the variable
 is set, hands the fault to the training loop as its after-step hook: the hook runs after the
 step is counted and before it is reported or checkpointed.
@@ -22,12 +26,13 @@ import os
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 INJECT_FAULT_ENV = "OOMGUARD_INJECT_FAULT"
 NAN_UNDER_REDUCED_PRECISION = "nan_under_reduced_precision"
 SLOW_STEPS = "slow_steps"
+LEAK_PER_STEP = "leak_per_step"
 
 
 @dataclass
@@ -59,11 +64,26 @@ class SlowSteps:
         time.sleep(self.seconds)
 
 
-def injected_fault(env: Mapping[str, str] = os.environ) -> NanUnderReducedPrecision | SlowSteps | None:
+@dataclass
+class LeakPerStep:
+    """Keeps ``nbytes`` more on the training's device after every step."""
+
+    nbytes: int
+    kept: list[Any] = field(default_factory=list)
+
+    def __call__(self, training: Any, step: int) -> None:
+        import torch
+
+        self.kept.append(torch.zeros(max(1, self.nbytes // 4), dtype=torch.float32, device=training.device))
+
+
+def injected_fault(env: Mapping[str, str] = os.environ) -> NanUnderReducedPrecision | SlowSteps | LeakPerStep | None:
     """The fault $OOMGUARD_INJECT_FAULT asks for, as an after-step hook; None when it asks for none."""
     name, _, at = env.get(INJECT_FAULT_ENV, "").partition("@")
     if name == NAN_UNDER_REDUCED_PRECISION and at.isdigit():
         return NanUnderReducedPrecision(int(at))
     if name == SLOW_STEPS and re.fullmatch(r"\d+(\.\d+)?", at):
         return SlowSteps(float(at))
+    if name == LEAK_PER_STEP and at.isdigit():
+        return LeakPerStep(int(at))
     return None

@@ -86,7 +86,7 @@ def read_script_report(attempt_dir: Path | AttemptFiles, plan: Plan) -> ScriptRe
     reported nothing: not a Python script, or it died before its first step). The daemon passes
     the AttemptFiles it opened as the job's owner's (jobs/attempt.py)."""
     files = attempt_files(attempt_dir)
-    records = _metrics(files)
+    records = step_records(files)
     heartbeat = files.read_json(HEARTBEAT)
     heartbeat = heartbeat if isinstance(heartbeat, dict) else {}
     last = records[-1] if records else heartbeat
@@ -124,10 +124,12 @@ def _measurement(records: list[dict[str, Any]], plan: Plan) -> Measurement | Non
     )
 
 
-def _metrics(files: AttemptFiles) -> list[dict[str, Any]]:
+def step_records(files: AttemptFiles, tail_bytes: int = METRICS_TAIL_BYTES) -> list[dict[str, Any]]:
+    """The step records of metrics.jsonl's last ``tail_bytes``, in order (a line cut by the
+    tail or being written is left out)."""
     try:
         with files.open(METRICS) as handle:
-            text = read_tail(handle, METRICS_TAIL_BYTES)
+            text = read_tail(handle, tail_bytes)
     except OSError:
         return []
     records = []

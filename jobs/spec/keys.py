@@ -40,8 +40,8 @@ MODEL_KEYS: tuple[str, ...] = (
 
 # What a job can be notified of (daemon/notifier.py); `escalated` is opt-in. `waiting_for_disk`:
 # the disk was full, and the job waits for someone to make room (once per wait).
-NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "escalated", "stalled", "waiting_for_disk")
-DEFAULT_NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "stalled", "waiting_for_disk")
+NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "escalated", "stalled", "waiting_for_disk", "creep")
+DEFAULT_NOTIFY_EVENTS: tuple[str, ...] = ("failed", "finished", "stalled", "waiting_for_disk", "creep")
 
 _TOP_KEYS = ("name", "trainer", "priority", "workdir", "data", "model", "train", "ladder", "resources", "notify", "command")
 _DATA_KEYS = ("source", "resolution", "random_flip")

@@ -142,3 +142,37 @@ def test_a_stalled_attempt_is_reported_once_and_the_job_still_finishes(tmp_path:
     assert daemon.wait_job("1")["state"] == "finished"
     assert len([e for e in daemon.show("1")["events"] if e["kind"] == "stalled"]) == 1
     wait_for(lambda: [b for at, b in endpoint.received if "finished" in b["title"]], 30, "the finished notification")
+
+
+def test_memory_that_creeps_up_is_reported_with_its_rate_before_the_oom_it_ends_in(
+    tmp_path: Path, endpoint: Endpoint, daemon_factory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job that keeps 128 KiB more on its device every step (a leak in a callback) under a cap
+    it outgrows near step 120: the daemon reads its step timeline while it runs and warns, with
+    the rate and the steps, well before the OOM."""
+    monkeypatch.setenv("OOMGUARD_INJECT_FAULT", "leak_per_step@131072")
+    job = tmp_path / "leaky.toml"
+    job.write_text(
+        TINY_JOB.format(name="leaky", batch_size=8, max_steps=400, checkpoint_every_steps=1000, keep_checkpoints=2)
+        + "[ladder]\nprobe = false\n"
+        + f'[notify]\nurls = ["json://127.0.0.1:{endpoint.port}/job"]\nevents = ["creep"]\n'
+    )
+    # About 4.3 MiB a step, and 15 MiB of leak to grow into.
+    daemon = daemon_factory("--emulate-device-memory", "19MiB")
+    oomguard("submit", str(job), state_dir=daemon.state_dir, check=True)
+    ended = wait_for(lambda: [e for e in daemon.show("1")["events"] if e["kind"] == "attempt-ended"], 120, "the first attempt to end")
+    oomguard("cancel", "1", state_dir=daemon.state_dir, check=True)
+    events = daemon.show("1")["events"]
+    creep = [e for e in events if e["kind"] == "creep"]
+    assert len(creep) == 1, events
+    assert ended[0]["code"] == "oom", ended
+    assert creep[0]["id"] < ended[0]["id"], "the warning comes before the OOM"
+    message = creep[0]["message"]
+    assert "device memory creeps up" in message and "per step" in message and "over steps" in message, message
+    # The rate it names is the leak's, within the floors' jitter.
+    rate = creep[0]["data"]["bytes_per_step"]
+    assert 0.8 * 131072 < rate < 1.2 * 131072, creep[0]
+    assert creep[0]["data"]["last_step"] < ended[0]["data"]["step"]
+    notified = wait_for(lambda: [b for at, b in endpoint.received if "creep" in b["title"]], 30, "the creep notification")
+    assert "creeps up" in notified[0]["message"]
+    print(f"creep: {message} (the OOM at step {ended[0]['data']['step']})")

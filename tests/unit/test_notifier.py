@@ -130,8 +130,8 @@ def make_notifier():
 
 
 def test_events_constants():
-    assert EVENTS == ("failed", "finished", "escalated", "stalled", "waiting_for_disk")
-    assert DEFAULT_EVENTS == ("failed", "finished", "stalled", "waiting_for_disk")
+    assert EVENTS == ("failed", "finished", "escalated", "stalled", "waiting_for_disk", "creep")
+    assert DEFAULT_EVENTS == ("failed", "finished", "stalled", "waiting_for_disk", "creep")
 
 
 def test_compose_says_what_happened_and_what_next():

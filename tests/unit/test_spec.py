@@ -965,7 +965,7 @@ def test_module_exports():
         ({"resources.disk": "lots"}, "resources.disk: not a memory size: 'lots'"),
         ({"resources.disk": 4096}, 'resources.disk: expected at least 1MiB (room for a checkpoint), found 4096 bytes; write it as a size such as "20GiB"'),
         ({"resources.disk": [1]}, 'resources.disk: expected a size such as "20GiB", found a list ([1])'),
-        ({"notify.events": ["done"]}, "notify.events: unknown notification event 'done' (expected one of: failed, finished, escalated, stalled, waiting_for_disk)"),
+        ({"notify.events": ["done"]}, "notify.events: unknown notification event 'done' (expected one of: failed, finished, escalated, stalled, waiting_for_disk, creep)"),
         ({"notify.tags": "lab"}, "notify.tags: expected a list of non-empty strings, found a string (\"lab\")"),
     ],
 )
