@@ -38,13 +38,14 @@ demo: $(STAMP)
 	@echo "the attempt's log: $(BIN)/oomguard --state-dir demo-workdir/.oomguard logs 1"
 	@echo "the job's record:  $(BIN)/oomguard --state-dir demo-workdir/.oomguard show 1"
 
-# The whole suite but the benchmark smoke runs (marker `bench`), in TEST_WORKERS processes: on 2
+# The whole suite but the benchmark smoke runs (marker `bench`) and the long variants (marker
+# `long`, run by `make faults`), in TEST_WORKERS processes: on 2
 # cores a third worker keeps them busy while another waits on a daemon, a poll or a sleep. A
 # file's tests stay in one worker (they share module fixtures: a daemon, a corpus). One torch
 # thread per process: workers' runners with a thread per core each fought over the cores.
 TEST_WORKERS ?= 3
 test: $(STAMP) slurm-tools
-	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not bench" -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not bench and not long" -n $(TEST_WORKERS) --dist loadfile
 
 # The Slurm backend's end-to-end tests start a throwaway cluster (tests/slurm_cluster.py) with
 # Debian's slurm-wlm and munge: installed here when missing and make runs as root (about 20 s).
@@ -85,8 +86,10 @@ bench: install
 # daemon are SIGKILLed, checkpoints damaged, the disk filled and host memory squeezed under
 # offloading runners (the last two as root only: a tmpfs, a memory cgroup), and a NaN injected
 # after the precision rung. About 15 minutes on 2 cores; results in bench/results/faults.md
-# and faults.json.
-faults: install
+# and faults.json. First the long variants of the suite's tests (marker `long`: four ranks
+# resuming a sharded checkpoint, SDXL LoRA resuming after an OOM; about a minute).
+faults: install slurm-tools
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m long -n $(TEST_WORKERS) --dist loadfile
 	$(BIN)/python -m pytest -q -m bench tests/e2e/test_faults.py
 	$(BIN)/python bench/faults.py --update-readme
 

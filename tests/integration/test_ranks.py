@@ -65,23 +65,32 @@ def test_two_ranks_train_the_weights_of_one_process(tmp_path, one_process, level
     assert all("2 processes" in line["plan"] for line in lines)
 
 
-def test_a_sharded_checkpoint_resumes_on_one_and_four_ranks(tmp_path, one_process):
-    _, alone = one_process
-    # Trained to step 4 on 2 ranks with sharded optimizer state; each run below goes on from
-    # its checkpoint at step 2.
-    first, sharded = train(tmp_path, "sharded", 2, "shard_optimizer", max_steps=4)
+@pytest.fixture(scope="module")
+def sharded_checkpoint(tmp_path_factory) -> Path:
+    """A checkpoint at step 2 of 2 ranks with sharded optimizer state (trained to step 4)."""
+    _, sharded = train(tmp_path_factory.mktemp("sharded"), "sharded", 2, "shard_optimizer", max_steps=4)
     checkpoint = sharded / "checkpoints" / "step-000002"
     assert (checkpoint / "dcp" / ".metadata").exists() and not (checkpoint / "model.safetensors").exists()
-    for gpus, level in ((1, "none"), (4, "shard_params")):
-        workdir = tmp_path / f"resume-{gpus}"
-        # Only the step-2 checkpoint: the resume has 4 steps to train.
-        (workdir / "checkpoints").mkdir(parents=True)
-        import shutil
+    return checkpoint
 
-        shutil.copytree(checkpoint, workdir / "checkpoints" / checkpoint.name)
-        result, _ = train(tmp_path, f"resume-{gpus}", gpus, level, workdir=workdir)
-        assert result.outcome.resumed_from == 2
-        assert_weights_allclose(load_final(workdir), load_final(alone))
+
+@pytest.mark.parametrize(
+    ("gpus", "level"),
+    # Four ranks on two cores take 25 s: `make faults` runs that one (marker long).
+    [(1, "none"), pytest.param(4, "shard_params", marks=pytest.mark.long)],
+    ids=["one rank", "four ranks"],
+)
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path, one_process, sharded_checkpoint, gpus, level):
+    _, alone = one_process
+    import shutil
+
+    workdir = tmp_path / f"resume-{gpus}"
+    # Only the step-2 checkpoint: the resume has 4 steps to train.
+    (workdir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(sharded_checkpoint, workdir / "checkpoints" / sharded_checkpoint.name)
+    result, _ = train(tmp_path, f"resume-{gpus}", gpus, level, workdir=workdir)
+    assert result.outcome.resumed_from == 2
+    assert_weights_allclose(load_final(workdir), load_final(alone))
 
 
 def test_one_ranks_oom_brings_every_rank_to_the_same_new_plan_in_process(tmp_path, one_process):
