@@ -60,6 +60,7 @@ from typing import Any
 import command_pairs
 import contention_pairs
 import frozen_savings
+import graded_pairs
 import multi_gpu_pairs
 import t2i_jobs
 
@@ -605,6 +606,7 @@ def main() -> int:
         "--no-contention-pairs", action="store_true", help="skip the pairs whose neighbour leaves mid-run (bench/contention_pairs.py)",
     )
     parser.add_argument("--no-multi-gpu-pairs", action="store_true", help="skip the pairs on several GPUs (bench/multi_gpu_pairs.py)")
+    parser.add_argument("--no-graded-pairs", action="store_true", help="skip the checkpointing grades' pairs (bench/graded_pairs.py)")
     args = parser.parse_args()
     whole = not args.jobs and not args.only
     if args.update_readme and not whole:
@@ -717,6 +719,7 @@ def main() -> int:
         commands = None if args.no_command_pairs or not whole else command_pairs.measure(scratch / "command-pairs")
         contention = None if args.no_contention_pairs or not whole else contention_pairs.measure(scratch / "contention-pairs")
         multi_gpu = None if args.no_multi_gpu_pairs or not whole else multi_gpu_pairs.measure(scratch / "multi-gpu-pairs")
+        graded = None if args.no_graded_pairs or not whole else graded_pairs.measure(scratch / "graded-pairs")
     finally:
         pool.close()
         if args.keep_workdirs:
@@ -728,6 +731,7 @@ def main() -> int:
     summary["command_pairs"] = commands
     summary["contention_pairs"] = contention
     summary["multi_gpu_pairs"] = multi_gpu
+    summary["graded_pairs"] = graded
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{results_name}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     plotted = plot(summary, args.out / f"{results_name}.png")
@@ -1055,6 +1059,8 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
         out += [*contention_pairs.markdown_section(summary["contention_pairs"]), ""]
     if summary.get("multi_gpu_pairs"):
         out += [*multi_gpu_pairs.markdown_section(summary["multi_gpu_pairs"]), ""]
+    if summary.get("graded_pairs"):
+        out += [*graded_pairs.markdown_section(summary["graded_pairs"]), ""]
     out += frozen_savings.markdown_section(summary["frozen_savings"], summary["frozen_parts"])
     out += ["## Sweeps", ""]
     for name, s in summary["sweeps"].items():
@@ -1152,6 +1158,14 @@ def update_readme(summary: dict[str, Any]) -> None:
             "",
             f"Several GPUs (bench/multi_gpu_pairs.py: built-in jobs on 2 and 4 emulated devices): median {c['ooms']} OOM to land over "
             f"{c['pairs']} pairs, median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s, {c['finished']} of {c['pairs']} finished.",
+        ]
+    if summary.get("graded_pairs"):
+        c = graded_pairs.medians(summary["graded_pairs"])
+        lines += [
+            "",
+            f"Finer rungs (bench/graded_pairs.py: checkpointing grades and the step in backward, jobs a little over their cap): median {c['ooms']} OOM to land over {c['pairs']} pairs, "
+            f"median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s (the grades included), {c['finished']} of {c['pairs']} finished; "
+            f"in {c['graded_wins']} pairs a finer rung's plan is the fastest that fits and beats the best on/off plan.",
         ]
     if not replace_block("bench/ladder.py", lines):
         log("README.md has no summary markers in its Benchmarks section: not updated")

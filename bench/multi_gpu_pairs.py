@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,12 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pair_runs import BIN, environment, fmt, landed, run_oomguard, sweep, sweep_summary
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-BIN = Path(sys.executable).parent
-THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-SWEEP_STEPS = 4
-UNLIMITED = "64GiB"
 ALLOW = ("micro_batch", "checkpointing", "offload", "shard_optimizer", "shard_params", "shard_offload")
 
 
@@ -99,61 +96,17 @@ def job_text(job: Job, gpus: str | None = None, probe: bool = True) -> str:
     )
 
 
-def _environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("OOMGUARD_")}
-    env.update(THREADS)
-    return env
-
-
-def sweep(job: Job, spec: Any, scratch: Path) -> dict[str, dict[str, Any]]:
-    """Rank 0's peak and samples/s of every candidate plan, by its one-line name."""
-    from oomguard.jobs.attempt import AttemptConfig
-    from oomguard.jobs.device import DeviceSpec
-    from oomguard.strategies import planner
-
-    spec = spec.replace(train=spec.train.__class__(**{**spec.train.__dict__, "max_steps": SWEEP_STEPS, "checkpoint_every_steps": 1000}))
-    measured: dict[str, dict[str, Any]] = {}
-    for n, plan in enumerate(planner.candidate_plans(spec.initial_plan(), ALLOW)):
-        attempt = scratch / f"sweep-{job.name}-{n}"
-        attempt.mkdir(parents=True)
-        AttemptConfig(job=spec, plan=plan, number=1, workdir=attempt / "work", device=DeviceSpec.from_option(UNLIMITED), recover_in_process=False).write(attempt)
-        done = subprocess.run([sys.executable, "-m", "oomguard.jobs.run", str(attempt)], capture_output=True, text=True, env=_environment(), timeout=900)
-        if done.returncode != 0:
-            raise RuntimeError(f"sweep of {job.name} [{plan.short()}] failed:\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}")
-        steps = [json.loads(line) for line in (attempt / "metrics.jsonl").read_text().splitlines()]
-        measured[plan.short()] = {
-            "plan": plan.to_dict(),
-            "peak_bytes": max(s["peak_bytes"] for s in steps),
-            "samples_per_s": statistics.median(s["samples_per_s"] for s in steps[1:]),
-        }
-        log(f"{job.name} [{plan.short()}]: peak {measured[plan.short()]['peak_bytes'] / 2**20:.2f} MiB, "
-            f"{measured[plan.short()]['samples_per_s']:.0f} samples/s")
-    return measured
-
-
-def run_oomguard(job: Job, cap: int, scratch: Path, name: str) -> dict[str, Any]:
-    path = scratch / f"{name}.toml"
-    path.write_text(job_text(job))
-    started = time.monotonic()
-    done = subprocess.run(
-        [str(BIN / "oomguard"), "run", str(path), "--workdir", str(scratch / name), "--emulate-device-memory", f"{cap}B", "--json"],
-        capture_output=True, text=True, env=_environment(), timeout=1800,
-    )
-    if done.returncode not in (0, 1):
-        raise RuntimeError(f"oomguard run of {name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return {"record": json.loads(done.stdout), "seconds": time.monotonic() - started}
-
-
 def measure(scratch: Path) -> dict[str, Any]:
     """Every pair: the sweep, the oracle and what oomguard did."""
     from oomguard.jobs.spec import parse_job_text
+    from oomguard.strategies import planner
     from oomguard.strategies.plan import Plan
 
     scratch.mkdir(parents=True, exist_ok=True)
     sweeps = {}
     for name, job in JOBS.items():
         spec = parse_job_text(job_text(job), f"<{name}.toml>", base_dir=scratch)
-        sweeps[name] = sweep(job, spec, scratch)
+        sweeps[name] = sweep(name, spec, planner.candidate_plans(spec.initial_plan(), ALLOW), scratch, log)
     rows = []
     for n, pair in enumerate(PAIRS, 1):
         job, measured = JOBS[pair.job], sweeps[pair.job]
@@ -161,17 +114,15 @@ def measure(scratch: Path) -> dict[str, Any]:
         cap = int(plain["peak_bytes"] * pair.share)
         fitting = {label: m for label, m in measured.items() if m["peak_bytes"] <= cap}
         oracle = max(fitting, key=lambda label: fitting[label]["samples_per_s"]) if fitting else None
-        record = run_oomguard(job, cap, scratch, f"pair-{n}")["record"]
+        record = run_oomguard(job_text(job), cap, scratch, f"pair-{n}")["record"]
         attempts = record["attempts"]
-        landed = Plan.from_dict(attempts[-1]["outcome"]["plan"]).short() if attempts and attempts[-1].get("outcome") else None
-        # Every OOM, in the probe or ending an attempt, is one measurement that did not fit.
-        ooms = sum(1 for a in attempts for m in (a.get("outcome") or {}).get("measurements", []) if not m["fits"])
+        plan, ooms = landed(record)
         row = {
             "n": n, "job": job.name, "what": job.what, "gpus": job.gpus, "cap_bytes": cap, "share": pair.share,
-            "oracle": oracle, "landed": landed, "state": record["state"], "ooms": ooms, "attempts": len(attempts),
-            "fraction_of_oracle": (measured[landed]["samples_per_s"] / measured[oracle]["samples_per_s"]) if landed in measured and oracle else None,
+            "oracle": oracle, "landed": plan, "state": record["state"], "ooms": ooms, "attempts": len(attempts),
+            "fraction_of_oracle": (measured[plan]["samples_per_s"] / measured[oracle]["samples_per_s"]) if plan in measured and oracle else None,
         }
-        log(f"pair {n} {job.name} cap {cap / 2**20:.2f} MiB: oracle [{oracle}], landed [{landed}], {ooms} OOM(s), {record['state']}")
+        log(f"pair {n} {job.name} cap {cap / 2**20:.2f} MiB: oracle [{oracle}], landed [{plan}], {ooms} OOM(s), {record['state']}")
         rows.append(row)
     # The cap of the loosest state-2 pair: the job's state does not fit one GPU, but host offload
     # does (a tighter cap leaves one GPU no exact plan: nothing to step down to).
@@ -190,10 +141,10 @@ def widen_versus_step_down(scratch: Path, cap: int) -> dict[str, Any]:
         path.write_text(job_text(Job(job.name, job.what, job.gpus, job.channels, job.resolution, job.batch_size, max_steps=30), gpus, probe=False))
         oomguard = [str(BIN / "oomguard"), "--state-dir", str(state)]
         daemon = subprocess.Popen([*oomguard, "daemon", "--poll-interval", "0.1", "--emulate-gpus", f"2x{cap}B"], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, env=_environment())
+                                  stderr=subprocess.DEVNULL, env=environment())
         try:
             deadline = time.monotonic() + 30
-            while subprocess.run([*oomguard, "submit", str(path)], capture_output=True, env=_environment()).returncode != 0:
+            while subprocess.run([*oomguard, "submit", str(path)], capture_output=True, env=environment()).returncode != 0:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the daemon for {name} did not take the job")
                 time.sleep(0.5)
@@ -203,7 +154,7 @@ def widen_versus_step_down(scratch: Path, cap: int) -> dict[str, Any]:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{name}: the job did not end in 900 s")
                 time.sleep(1)
-                shown = subprocess.run([*oomguard, "show", "1", "--json"], capture_output=True, text=True, env=_environment())
+                shown = subprocess.run([*oomguard, "show", "1", "--json"], capture_output=True, text=True, env=environment())
                 record = json.loads(shown.stdout) if shown.returncode == 0 else {}
         finally:
             daemon.terminate()
@@ -243,7 +194,7 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
         "included) and every attempt that ended on one; speed is the landed plan's samples/s in the sweep against the oracle's "
         "(the fastest swept plan that fits), rank 0, wall clock, one thread per rank.",
         "",
-        f"Median OOMs to land: **{m['ooms']}**; median samples/s against the oracle: **{_fmt(m['fraction_of_oracle'], '.3f')}**; "
+        f"Median OOMs to land: **{m['ooms']}**; median samples/s against the oracle: **{fmt(m['fraction_of_oracle'], '.3f')}**; "
         f"finished: **{m['finished']} of {m['pairs']}**.",
         "",
         "| # | job | GPUs | cap | oracle | landed | OOMs | attempts | samples/s vs oracle |",
@@ -252,14 +203,14 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
     for p in result["pairs"]:
         out.append(
             f"| {p['n']} | {p['job']}: {p['what']} | {p['gpus']} | {p['cap_bytes'] / 2**20:.2f} MiB ({p['share']:.2f}) | {p['oracle']} | "
-            f"{p['landed']} | {p['ooms']} | {p['attempts']} | {_fmt(p['fraction_of_oracle'])} |"
+            f"{p['landed']} | {p['ooms']} | {p['attempts']} | {fmt(p['fraction_of_oracle'])} |"
         )
     widen = result.get("widen")
     if widen:
         out += [
             "",
             f"Widen against stepping down (the state-2 job, no probe, a daemon with two emulated GPUs of {widen['cap_bytes'] / 2**20:.2f} MiB): "
-            f"the widened run trains at **{_fmt(widen['ratio'])}x** the samples/s of the run that stepped down on one GPU.",
+            f"the widened run trains at **{fmt(widen['ratio'])}x** the samples/s of the run that stepped down on one GPU.",
             "",
             "| job's gpus | state | ended on GPU(s) | landed plan | attempts | what the doctor did | samples/s |",
             "|---|---|---|---|---|---|---|",
@@ -267,17 +218,10 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
         for name, run in widen["runs"].items():
             gpus = '"1-2"' if name == "widen" else "1"
             out.append(f"| {gpus} | {run['state']} | {run['gpus']} | {run['plan']} | {run['attempts']} | "
-                       f"{'; '.join(run['rungs'])} | {_fmt(run['samples_per_s'])} |")
+                       f"{'; '.join(run['rungs'])} | {fmt(run['samples_per_s'])} |")
     out += ["", "Sweeps (rank 0's peak and samples/s of every plan):", ""]
-    for name, job in result["jobs"].items():
-        out += [f"- {name} ({job['gpus']} GPUs): " + "; ".join(
-            f"[{label}] {m['peak_bytes'] / 2**20:.2f} MiB, {m['samples_per_s']:.0f}/s" for label, m in sorted(job["sweep"].items(), key=lambda kv: kv[1]["peak_bytes"])
-        )]
+    out += [f"- {name} ({job['gpus']} GPUs): {sweep_summary(job['sweep'])}" for name, job in result["jobs"].items()]
     return out
-
-
-def _fmt(value: float | None, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def main() -> int:

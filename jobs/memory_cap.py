@@ -86,6 +86,15 @@ class DeviceMemory:
     def move_out(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Stop counting tensors the runner moved back to the host."""
 
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of a device tensor, which the device no longer holds once ``tensor``
+        dies (rung activation_offload). Here the device is the host: the tensor itself."""
+        return tensor
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A host copy (``to_host``) back on ``device``."""
+        return host
+
     def paused(self) -> contextlib.AbstractContextManager[None]:
         """Host-side work (loading images, writing checkpoints) that a GPU run does off the card."""
         return contextlib.nullcontext()
@@ -164,6 +173,15 @@ class CudaMemory(DeviceMemory):
         free, total = torch.cuda.mem_get_info(self.device)
         return total - free - torch.cuda.memory_reserved(self.device)
 
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        # Pinned: the copies back can run without a staging buffer (as save_on_cpu does).
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=True)
+        host.copy_(tensor)
+        return host
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        return host.to(device, non_blocking=True)
+
     def oom_figures(self, message: str) -> MemoryFigures:
         free, _ = torch.cuda.mem_get_info(self.device)
         return MemoryFigures(
@@ -216,6 +234,15 @@ class EmulatedMemory(DeviceMemory):
 
     def paused(self) -> contextlib.AbstractContextManager[None]:
         return self.emulated.paused()
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        # The copy is made outside the count: it is host memory.
+        with self.emulated.paused():
+            return tensor.detach().clone()
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        # Counted: the copy coming back takes device memory again.
+        return host.clone()
 
     def live_bytes(self) -> int | None:
         return self.emulated.live_bytes

@@ -19,6 +19,7 @@ import torch
 
 from oomguard.jobs.attempt import Control
 from oomguard.jobs.ema import EmaWeights
+from oomguard.jobs.fused_backward import FusedBackwardOptimizer
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.rank_group import RankGroup
@@ -200,6 +201,9 @@ def build_training(
         memory.move_in(local(model.parameters()))
     rungs.configure_model(plan, model)
     optimizer = build_optimizer(plan, model, job.train.learning_rate, job.train.weight_decay, memory)
+    if isinstance(optimizer, FusedBackwardOptimizer):
+        # It steps inside backward, before one_step would zero these gradients.
+        optimizer.zero_first(trainer.zero_gradient_parameters(model))
     lr_scheduler = get_scheduler(
         job.train.lr_scheduler, optimizer=optimizer, num_warmup_steps=job.train.lr_warmup_steps, num_training_steps=job.train.max_steps
     )
@@ -347,13 +351,15 @@ def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemo
     start = ranks.rank * plan.per_rank_batch
     for size in plan.micro_batch_sizes():
         control.phase = "forward"
-        with training.autocast():
+        with training.autocast(), rungs.saved_activations(plan, memory, model):
             loss = trainer.slice_loss(model, inputs, start, start + size, training.device)
         # Weight by the slice's share of this rank's samples: the sum of the slices' gradients
         # is then the gradient of the rank's mean loss, however its share was split, and their
         # average over the ranks (equal shares) that of the whole batch's mean loss.
         weighted = loss * (size / plan.per_rank_batch)
-        control.phase = "backward"
+        # With the optimizer step inside backward, an OOM there may leave some weights updated and
+        # others not: it is an OOM in the optimizer (no emergency checkpoint, no retry in process).
+        control.phase = "optimizer" if isinstance(training.optimizer, FusedBackwardOptimizer) else "backward"
         if training.scaler is not None:
             training.scaler.scale(weighted).backward()
         else:

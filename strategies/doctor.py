@@ -379,7 +379,8 @@ def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
     fragmentation only."""
     order = [(position, r) for position, r in enumerate(rungs.ladder()) if r.role != "process"]
     if outcome.phase == "setup":
-        order = [(position, r) for position, r in order if not r.activations_only]
+        # Before the first step there are no activations, nor gradients.
+        order = [(position, r) for position, r in order if not r.activations_only and not r.shrinks <= {"activations", "gradients"}]
     dominant = outcome.memory.dominant_consumer() if outcome.memory is not None else None
     order.sort(key=lambda item: (not item[1].exact, dominant not in item[1].shrinks, item[0]))
     for _, rung in order:
@@ -388,7 +389,8 @@ def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
         new_plan = rung.step(plan)
         while new_plan is not None and new_plan in failed:
             new_plan = rung.step(new_plan)
-        if new_plan is not None:
+        # A plan the runner cannot run (the step in backward after micro-batches) is no step.
+        if new_plan is not None and rungs.conflict(new_plan) is None:
             return NextPlan(plan=new_plan, rung=rung.name, reason=f"{diagnosis} -> {rung.describe(plan, new_plan)}")
     return give_up(f"{diagnosis}; no allowed rung is left", history, policy)
 

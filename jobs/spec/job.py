@@ -114,7 +114,8 @@ class JobSpec:
     def features(self) -> frozenset[str]:
         """What the job offers rungs (Rung.needs): a job that trains LoRA adapters already has
         no whole model to turn into LoRA; only a text-to-image job has frozen encoders; only a
-        job with train.ema keeps an average of its weights ("ema")."""
+        job with train.ema keeps an average of its weights ("ema"); a text-to-image UNet's
+        transformer blocks have feed-forward layers ("feed_forward"), a UNet2DModel none."""
         ema = ("ema",) if self.train.ema else ()
         # The sharding rungs shard a built-in trainer's whole model, but not an average of its
         # weights (train.ema); a command job's script shards its own (its [command.when] keys).
@@ -122,7 +123,7 @@ class JobSpec:
         if isinstance(self.model, PipelineSpec):
             fixed_crops = isinstance(self.data, CaptionedDataSpec) and self.data.center_crop
             return frozenset({
-                "frozen_parts", *(() if self.model.trains_adapters else ("full_model",)), *(("fixed_crops",) if fixed_crops else ()), *ema,
+                "frozen_parts", "feed_forward", *(() if self.model.trains_adapters else ("full_model",)), *(("fixed_crops",) if fixed_crops else ()), *ema,
                 *shardable,
             })
         return WHOLE_MODEL | frozenset((*ema, *shardable))

@@ -10,19 +10,23 @@ command jobs) reads the registry through the functions below.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.rungs import (
     allocator,
+    activation_offload,
     attention,
     base_quantization,
     cache_latents,
     cache_text,
+    checkpoint_alternate,
+    checkpoint_ff,
     checkpointing,
     ema_offload,
     frozen_half,
+    fused_backward,
     lora,
     micro_batch,
     offload,
@@ -39,6 +43,9 @@ from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung, 
 
 # The order is the ladder's. The caches come first: exact, and they make steps faster. The
 # approximate rungs go from the least invasive (the frozen encoders' precision) to the most.
+# The checkpointing grades go from the cheapest recomputation to the most; activations kept on
+# the host and the optimizer step inside backward (no full set of gradients) are the last
+# exact answers on one device without a new optimizer placement.
 # Sharding (exact, for jobs on two or more processes) comes before the offloads: it frees the
 # same state without the host's copies and updates; keeping the shards on the host
 # (shard_offload) is the slowest exact rung.
@@ -47,8 +54,12 @@ _LADDER: tuple[Rung, ...] = (
     cache_text.RUNG,
     cache_latents.RUNG,
     micro_batch.RUNG,
+    checkpoint_ff.RUNG,
+    checkpoint_alternate.RUNG,
     checkpointing.RUNG,
     attention.RUNG,
+    activation_offload.RUNG,
+    fused_backward.RUNG,
     shard_optimizer.RUNG,
     shard_params.RUNG,
     vae_slicing.RUNG,
@@ -154,6 +165,16 @@ def autocast_dtype(plan: Plan, device: Any) -> Any:
         if dtype is not None:
             return dtype
     return None
+
+
+def saved_activations(plan: Plan, memory: Any, model: Any) -> Any:
+    """The context the forward of ``model`` runs under: the first rung's saved-tensor hooks
+    for ``plan``, or a context that changes nothing."""
+    for r in _LADDER:
+        hooks = r.saved_activations(plan, memory, model)
+        if hooks is not None:
+            return hooks
+    return nullcontext()
 
 
 def conflict(plan: Plan) -> str | None:

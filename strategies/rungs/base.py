@@ -177,6 +177,10 @@ def _no_conflict(plan: Plan) -> str | None:
     return None
 
 
+def _saved_on_device(plan: Plan, memory: Any, model: Any) -> Any:
+    return None
+
+
 def not_sharded(plan: Plan, model: Any, mesh: Any) -> str | None:
     return None
 
@@ -232,6 +236,10 @@ class Rung:
     place_optimizer: Callable[[Plan, list[Any], MakeOptimizer, Any], Any] = _not_placed
     # The torch dtype forward and backward run in under autocast on ``device``, or None.
     autocast_dtype: Callable[[Plan, Any], Any] = _no_autocast
+    # Where forward keeps what backward needs: a context manager (autograd's saved-tensor hooks)
+    # the forward of ``model`` runs under, moving it through the run's DeviceMemory, or None: on
+    # the device, as autograd keeps it.
+    saved_activations: Callable[[Plan, Any, Any], Any] = _saved_on_device
     # What it does to the frozen parts of a trainer that has some (FrozenHandling).
     frozen: Callable[[Plan, FrozenHandling], FrozenHandling] = _frozen_unchanged
     # True: the average of the trained weights (train.ema) lives and is updated in host memory.

@@ -69,7 +69,7 @@ def build_unet(plan: Plan, resolution: int = 32) -> torch.nn.Module:
     if plan.base_quantization is not None:
         quantize_base(model, plan.base_quantization)
     attention.configure_model(plan, model)
-    checkpointing.configure_model(plan, model)
+    checkpointing.RUNG.configure_model(plan, model)
     return model
 
 
@@ -259,7 +259,7 @@ def test_nf4_base_is_smaller_than_int8():
 def test_every_rung_at_once_still_trains():
     plan = BASE
     for rung in (checkpointing, attention, offload, precision, optimizer_8bit, lora, base_quantization, base_quantization):
-        plan = rung.step(plan)
+        plan = rung.RUNG.step(plan)
     assert plan.short() == "mb=4x1 ckpt attn=sliced offload=optimizer bf16 adamw8bit lora=16 base=nf4"
     result = measure(plan, STATIC)
     assert result.optimizer_state == 0

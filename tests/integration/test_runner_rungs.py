@@ -13,6 +13,8 @@ from oomguard.jobs import checkpoints
 from oomguard.jobs.train_state import ADAPTERS
 from oomguard.strategies.outcome import EXIT_FINISHED, EXIT_OOM
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.rungs import activation_offload, fused_backward
+from oomguard.strategies.rungs.checkpoint_grades import with_grade
 from tests.jobs_helpers import (
     assert_weights_allclose,
     load_final,
@@ -35,6 +37,8 @@ EXACT = {
     "offload": START.replace(offload="optimizer"),
     "attention": START.replace(attention="sliced"),
     "checkpointing+micro_batch": START.replace(gradient_checkpointing=True, micro_batch=3),
+    "checkpoint_alternate+activation_offload": activation_offload.step(with_grade(START, "alternate")),
+    "fused_backward": fused_backward.step(START),
 }
 APPROXIMATE = {
     "precision": START.replace(mixed_precision="bf16"),

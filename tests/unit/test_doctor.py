@@ -20,6 +20,7 @@ from oomguard.strategies.outcome import (
     exception_line,
 )
 from oomguard.strategies.plan import EXPANDABLE_SEGMENTS, Plan
+from oomguard.strategies.rungs.checkpoint_grades import with_grade
 from oomguard.strategies.policy import Policy
 from oomguard.strategies.rungs import exact_names, names, usable_by
 from oomguard.strategies.units import format_bytes
@@ -164,7 +165,8 @@ def test_fragmentation_respects_the_policy_and_the_plan(plan, allow, rung, expec
         (START, EXACT_RUNG_NAMES, "micro_batch", START.replace(micro_batch=8)),
         # without fragmentation the allocator is not the cure, even when allowed
         (START, ("allocator", "micro_batch"), "micro_batch", START.replace(micro_batch=8)),
-        (START.replace(micro_batch=1), EXACT_RUNG_NAMES, "checkpointing", START.replace(micro_batch=1, gradient_checkpointing=True)),
+        # The cheapest checkpointing grade a UNet2DModel job has (no feed-forward layers) first.
+        (START.replace(micro_batch=1), EXACT_RUNG_NAMES, "checkpoint_alternate", with_grade(START.replace(micro_batch=1), "alternate")),
         (START, ("checkpointing",), "checkpointing", START.replace(gradient_checkpointing=True)),
         (START, ("allocator", "checkpointing"), "checkpointing", START.replace(gradient_checkpointing=True)),
         (Plan(batch_size=10, micro_batch=5), EXACT_RUNG_NAMES, "micro_batch", Plan(batch_size=10, micro_batch=3)),
@@ -187,9 +189,10 @@ def test_plain_oom_takes_the_cheapest_allowed_rung(plan, allow, rung, expected):
 
 def test_the_whole_ladder_then_give_up_with_a_report():
     history, decisions = run_ladder(lambda plan: oom(step=4))
-    assert [d.rung for d in decisions[:-1]] == ["micro_batch"] * 4 + ["checkpointing", "attention", "offload"]
+    assert [d.rung for d in decisions[:-1]] == ["micro_batch"] * 4 + ["checkpoint_alternate", "checkpointing", "attention", "activation_offload", "offload"]
     assert [p.plan.short() for p in history] == [
-        "mb=16x1", "mb=8x2", "mb=4x4", "mb=2x8", "mb=1x16", "mb=1x16 ckpt", "mb=1x16 ckpt attn=sliced", "mb=1x16 ckpt attn=sliced offload=optimizer",
+        "mb=16x1", "mb=8x2", "mb=4x4", "mb=2x8", "mb=1x16", "mb=1x16 ckpt=1/2", "mb=1x16 ckpt", "mb=1x16 ckpt attn=sliced",
+        "mb=1x16 ckpt attn=sliced acts=host", "mb=1x16 ckpt attn=sliced acts=host offload=optimizer",
     ]
     give_up = decisions[-1]
     assert isinstance(give_up, GiveUp)
@@ -203,7 +206,7 @@ def test_the_whole_ladder_then_give_up_with_a_report():
 
 def test_fragmentation_every_time_walks_allocator_then_the_rest():
     history, decisions = run_ladder(lambda plan: fragmented())
-    assert [d.rung for d in decisions[:-1]] == ["allocator"] + ["micro_batch"] * 4 + ["checkpointing", "attention", "offload"]
+    assert [d.rung for d in decisions[:-1]] == ["allocator"] + ["micro_batch"] * 4 + ["checkpoint_alternate", "checkpointing", "attention", "activation_offload", "offload"]
     assert all(p.plan.allocator == EXPANDABLE_SEGMENTS for p in history[1:])
     assert isinstance(decisions[-1], GiveUp)
 
@@ -239,7 +242,7 @@ def test_rungs_not_allowed_are_skipped(allow, rungs):
         (
             START.replace(micro_batch=2),
             [START.replace(micro_batch=1)],
-            START.replace(micro_batch=2, gradient_checkpointing=True),
+            with_grade(START.replace(micro_batch=2), "alternate"),
         ),
     ],
 )
@@ -424,7 +427,7 @@ def test_max_attempts_ends_a_long_ladder():
 def test_report_suggests_the_ladder_allow_line_with_rungs_that_could_help():
     history, decisions = run_ladder(lambda plan: oom(), policy=Policy(allow=("micro_batch",)))
     text = decisions[-1].report
-    assert "Rungs this job does not allow: allocator, checkpointing, attention, offload, precision," in text
+    assert "Rungs this job does not allow: allocator, checkpoint_alternate, checkpointing, attention, activation_offload, fused_backward, offload, precision," in text
     suggestion = [line for line in text.splitlines() if "[ladder]" in line]
     assert len(suggestion) == 1
     allow = json.loads(suggestion[0].split("allow = ", 1)[1])

@@ -235,7 +235,8 @@ def test_when_only_a_rung_not_allowed_would_fit_the_report_names_it():
 
 
 def test_parameters_gradients_and_state_together_lead_to_lora_when_allowed():
-    decision = _decide_at(12 * MiB, RUNG_NAMES)
+    # 9 MiB: parameters and gradients alone take 8, whatever the exact rungs do to the rest.
+    decision = _decide_at(9 * MiB, RUNG_NAMES)
     assert isinstance(decision, NextPlan) and decision.plan.lora_rank is not None, decision
     # The least invasive approximate rung that fits: no quantized base when LoRA is enough.
     assert decision.plan.base_quantization is None

@@ -5,7 +5,7 @@ import pytest
 
 from oomguard.strategies import rungs
 from oomguard.strategies.plan import EXPANDABLE_SEGMENTS, Plan
-from oomguard.strategies.rungs import allocator, checkpointing, exact_names, micro_batch, names
+from oomguard.strategies.rungs import allocator, checkpoint_grades, checkpointing, exact_names, micro_batch, names
 
 RUNG_NAMES, EXACT_RUNG_NAMES = names(), exact_names()
 
@@ -38,8 +38,6 @@ def test_rung_name_and_flags(module, name, needs_restart):
     assert rung.exact is True
     assert rung.exact == (name in EXACT_RUNG_NAMES)
     assert rung.needs_restart is needs_restart
-    assert rung.step is module.step
-    assert rung.describe is module.describe
     assert name in RUNG_NAMES
     assert rungs.rung(name) is rung
 
@@ -115,12 +113,12 @@ def test_micro_batch_describe_names_both_sides():
 )
 def test_switch_rungs_step_once(module, field, before, after):
     plan = Plan(batch_size=8, micro_batch=4, **{field: before})
-    stepped = module.step(plan)
+    stepped = module.RUNG.step(plan)
     assert getattr(stepped, field) == after
     assert stepped == plan.replace(**{field: after})
-    assert module.step(stepped) is None
-    assert walk(module.step, plan) == [plan, stepped]
-    assert module.describe(plan, stepped)
+    assert module.RUNG.step(stepped) is None
+    assert walk(module.RUNG.step, plan) == [plan, stepped]
+    assert module.RUNG.describe(plan, stepped)
 
 
 OTHER_KNOBS = dict(
@@ -145,9 +143,9 @@ OTHER_KNOBS = dict(
 def test_steps_are_pure_and_change_only_their_knob(module, plan):
     fields = {"allocator": {"allocator"}, "micro_batch": {"micro_batch"}, "checkpointing": {"gradient_checkpointing"}}
     before = dataclasses.asdict(plan)
-    first = module.step(plan)
+    first = module.RUNG.step(plan)
     assert dataclasses.asdict(plan) == before
-    assert module.step(plan) == first  # same input, same output
+    assert module.RUNG.step(plan) == first  # same input, same output
     if first is not None:
         assert first != plan
         changed = {k for k, v in dataclasses.asdict(first).items() if before[k] != v}
@@ -327,7 +325,7 @@ def tiny_unet():
     )
 
 
-@pytest.mark.parametrize("configure", [checkpointing.configure_model, checkpointing.RUNG.configure_model, rungs.configure_model])
+@pytest.mark.parametrize("configure", [checkpoint_grades.configure, checkpointing.RUNG.configure_model, rungs.configure_model])
 @pytest.mark.parametrize("on", [True, False])
 def test_configure_model_turns_gradient_checkpointing_on(configure, on):
     model = tiny_unet()
@@ -352,7 +350,7 @@ def test_checkpointing_is_exact_on_a_real_unet(one_thread):
     def loss_and_grads(on):
         torch.manual_seed(0)
         model = tiny_unet().train()
-        checkpointing.configure_model(Plan(batch_size=2, micro_batch=2, gradient_checkpointing=on), model)
+        checkpointing.RUNG.configure_model(Plan(batch_size=2, micro_batch=2, gradient_checkpointing=on), model)
         generator = torch.Generator().manual_seed(1)
         sample = torch.randn(2, 3, 16, 16, generator=generator)
         loss = model(sample, torch.tensor([3, 700])).sample.square().mean()
