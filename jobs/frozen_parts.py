@@ -121,6 +121,28 @@ class FrozenParts:
             for module in modules:
                 module.to(HOST)
 
+    @torch.no_grad()
+    def decode_latents(self, latents: torch.Tensor, *, tiled: bool = False) -> torch.Tensor:
+        """Images in [0, 1] from latents as the UNet sees them (scaled), by the VAE's decoder in
+        fp32, which visits the device for it (training never needs it there); ``tiled``: in
+        overlapping tiles, one image at a time (diffusers' tiling and slicing)."""
+        modules = [m for m in (self.vae.decoder, self.vae.post_quant_conv) if m is not None]
+        for module in modules:
+            module.to(self.device)
+        if self.memory is not None:
+            self.memory.move_in(self._tensors(modules))
+        tiling, slicing = self.vae.use_tiling, self.vae.use_slicing
+        self.vae.use_tiling = self.vae.use_slicing = tiled
+        try:
+            images = self.vae.decode(latents.float() / self.vae.config.scaling_factor).sample
+        finally:
+            self.vae.use_tiling, self.vae.use_slicing = tiling, slicing
+            if self.memory is not None:
+                self.memory.move_out(self._tensors(modules))
+            for module in modules:
+                module.to(HOST)
+        return (images.float() / 2 + 0.5).clamp(0, 1)
+
     # -- encoding ------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -34,6 +34,7 @@ from oomguard.jobs.emulated_gpus import AssignedGpu
 from oomguard.jobs.memory_cap import DeviceMemory, open_device_memory
 from oomguard.jobs.probe import run_probe
 from oomguard.jobs.rank_group import PeerOutOfMemory, RankGroup
+from oomguard.jobs.sampling import Sampler
 from oomguard.jobs.step_report import Progress, report_step
 from oomguard.jobs.step_ups import StepUps
 from oomguard.jobs.trainers import make_trainer
@@ -142,6 +143,8 @@ class AttemptRun:
         spec = config.device.or_environment()
         self.memory = open_device_memory(spec, self.device, self._device_tensors, gpu=AssignedGpu.from_environment())
         self.checkpoints_dir = config.workdir / "checkpoints"
+        # Samples while training (a text-to-image job's train.sample_every_steps), by one process.
+        self.sampler = Sampler(self.job, self.trainer, config.workdir, self.say) if self.job.train.sample_every_steps and self.ranks.solo else None
         self.last_checkpoint_time = 0.0
         self.steps_in_process = 0
         self.step_ups = StepUps(config.step_up, origin=self.job.initial_plan(), in_process=config.recover_in_process)
@@ -403,6 +406,9 @@ class AttemptRun:
                 self.attempt_dir, metrics, self.progress, self.job.train.max_steps, result.loss, samples_per_s, self.memory, training.plan.short(),
                 self.recoveries,
             )
+        if self.sampler is not None and self.sampler.due(self.progress.step):
+            self.control.phase = "sampling"
+            self.sampler.render(training, self.progress.step, self.memory)
         train = self.job.train
         due_by_steps = self.progress.step % train.checkpoint_every_steps == 0
         due_by_time = train.checkpoint_every_seconds is not None and self.ranks.from_main(

@@ -38,6 +38,11 @@ MIN_DISK_BUDGET = 1 << 20
 _MAX_SEED = 2**64 - 1
 
 
+DEFAULT_SAMPLE_INFERENCE_STEPS = 20
+MAX_SAMPLE_PROMPTS = 16
+MAX_PROMPT_CHARACTERS = 1000
+
+
 @dataclass(frozen=True)
 class TrainSpec:
     """Training settings. ``batch_size`` is the effective batch the ladder must keep."""
@@ -67,6 +72,12 @@ class TrainSpec:
     # diffusers' scripts do with --use_ema); ``ema_decay`` is its largest decay (jobs/ema.py).
     ema: bool = False
     ema_decay: float = DEFAULT_EMA_DECAY
+    # Images rendered from ``sample_prompts`` every ``sample_every_steps`` steps (None: never)
+    # with ``sample_inference_steps`` denoising steps, into WORKDIR/samples/ (the text-to-image
+    # trainer's: jobs/sampling.py).
+    sample_every_steps: int | None = None
+    sample_prompts: tuple[str, ...] = ()
+    sample_inference_steps: int = DEFAULT_SAMPLE_INFERENCE_STEPS
 
     def __post_init__(self) -> None:
         if self.checkpoint_every_steps is None:
@@ -76,6 +87,7 @@ class TrainSpec:
         object.__setattr__(self, "weight_decay", float(self.weight_decay))
         object.__setattr__(self, "noise_offset", float(self.noise_offset))
         object.__setattr__(self, "ema_decay", float(self.ema_decay))
+        object.__setattr__(self, "sample_prompts", tuple(self.sample_prompts))
         if self.checkpoint_every_seconds is not None:
             object.__setattr__(self, "checkpoint_every_seconds", float(self.checkpoint_every_seconds))
 
@@ -218,6 +230,7 @@ def parse_train(s: Section) -> TrainSpec:
     snr_gamma = s.number("snr_gamma", gt=0.0, default=None)
     ema = s.bool("ema", default=False)
     ema_decay = s.number("ema_decay", gt=0.0, lt=1.0, default=None)
+    sample_every_steps, sample_prompts, sample_inference_steps = _samples(s)
     if ema_decay is not None and not ema:
         raise s.fail("ema_decay", "is set but train.ema is not: add `ema = true` to [train], or drop ema_decay")
     if micro_batch is not None and micro_batch > batch_size:
@@ -243,7 +256,29 @@ def parse_train(s: Section) -> TrainSpec:
         snr_gamma=snr_gamma,
         ema=ema,
         ema_decay=ema_decay if ema_decay is not None else DEFAULT_EMA_DECAY,
+        sample_every_steps=sample_every_steps,
+        sample_prompts=sample_prompts,
+        sample_inference_steps=sample_inference_steps,
     )
+
+
+def _samples(s: Section) -> tuple[int | None, tuple[str, ...], int]:
+    """train.sample_every_steps, sample_prompts and sample_inference_steps: both of the first
+    two or neither."""
+    every = s.int("sample_every_steps", minimum=1, default=None)
+    steps = s.int("sample_inference_steps", minimum=1, maximum=1000, default=DEFAULT_SAMPLE_INFERENCE_STEPS)
+    prompts = s.get("sample_prompts", None)
+    if prompts is None or prompts == []:
+        if every is not None:
+            raise s.fail("sample_every_steps", 'is set but train.sample_prompts is not: add e.g. sample_prompts = ["a photo of a cat"]')
+        return None, (), steps
+    if not isinstance(prompts, list) or not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise s.fail("sample_prompts", f"expected a list of non-empty prompts, found {describe_value(prompts)}")
+    if len(prompts) > MAX_SAMPLE_PROMPTS or any(len(p) > MAX_PROMPT_CHARACTERS for p in prompts):
+        raise s.fail("sample_prompts", f"expected at most {MAX_SAMPLE_PROMPTS} prompts of at most {MAX_PROMPT_CHARACTERS} characters each")
+    if every is None:
+        raise s.fail("sample_prompts", "is set but train.sample_every_steps is not: add e.g. sample_every_steps = 500")
+    return every, tuple(prompts), steps
 
 
 def _keep_every_steps(s: Section, checkpoint_every_steps: int, max_steps: int) -> int | None:

@@ -118,7 +118,7 @@ SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
 
 # A text-to-image job's tables where they differ from the unconditional trainer's.
 # [train] keys only the text-to-image trainer reads.
-TEXT_TO_IMAGE_TRAIN_KEYS = ("noise_offset", "snr_gamma")
+TEXT_TO_IMAGE_TRAIN_KEYS = ("noise_offset", "snr_gamma", "sample_every_steps", "sample_prompts", "sample_inference_steps")
 _TEXT_TO_IMAGE_KEYS: dict[str | None, tuple[str, ...]] = {
     "data": ("source", "resolution", "center_crop", "random_flip", "caption_column"),
     "model": ("path", "method", "lora_rank", "lora_alpha", "target_modules"),

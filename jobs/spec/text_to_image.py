@@ -83,6 +83,10 @@ class PipelineSpec:
         return float(self.lora_alpha) if self.lora_alpha is not None else float(self.lora_rank)
 
     def to_dict(self) -> dict[str, Any]:
+        # The LoRA keys only with method = "lora": a job file of a full fine-tune may not hold
+        # them, and parse(to_dict()) must give the spec back.
+        if not self.trains_adapters:
+            return {"path": self.path, "method": self.method}
         return {
             "path": self.path, "method": self.method, "lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
             "target_modules": list(self.target_modules),

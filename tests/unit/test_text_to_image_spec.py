@@ -241,3 +241,29 @@ def test_the_example_job_files_are_valid(name):
     path = Path(__file__).resolve().parents[2] / "jobs" / "examples" / name
     job = parse_job_text(path.read_text(), path, check_files=False)
     assert job.trainer == "text_to_image" and job.policy().allow
+
+
+def test_samples_while_training_parse_and_come_back_as_they_were(tmp_path, folders):
+    pipeline, images = folders
+    job = parse(job_text(pipeline, images, train='sample_every_steps = 500\nsample_prompts = ["a red cat", "a blue dog"]'), tmp_path)
+    assert (job.train.sample_every_steps, job.train.sample_prompts, job.train.sample_inference_steps) == (500, ("a red cat", "a blue dog"), 20)
+    stored = json.loads(json.dumps(job.to_dict()))
+    assert JobSpec.load(stored) == job
+    assert JobSpec.parse(stored) == job
+    assert parse(job_text(pipeline, images), tmp_path).train.sample_every_steps is None
+
+
+@pytest.mark.parametrize(
+    ("train", "expected"),
+    [
+        ("sample_every_steps = 10", 'train.sample_every_steps: is set but train.sample_prompts is not: add e.g. sample_prompts = ["a photo of a cat"]'),
+        ('sample_prompts = ["a cat"]', "train.sample_prompts: is set but train.sample_every_steps is not: add e.g. sample_every_steps = 500"),
+        ('sample_every_steps = 10\nsample_prompts = ["a cat", ""]', "train.sample_prompts: expected a list of non-empty prompts"),
+        ("sample_every_steps = 10\nsample_prompts = 3", "train.sample_prompts: expected a list of non-empty prompts"),
+        ('sample_every_steps = 10\nsample_prompts = ["a cat"]\nsample_inference_steps = 0', "train.sample_inference_steps: expected an integer"),
+        ("sample_every_steps = 10\nsample_prompts = [" + ", ".join(['"p"'] * 17) + "]", "train.sample_prompts: expected at most 16 prompts"),
+    ],
+)
+def test_bad_sample_keys_name_the_fix(tmp_path, folders, train, expected):
+    pipeline, images = folders
+    assert expected in error_of(job_text(pipeline, images, train=train), tmp_path)
