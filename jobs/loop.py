@@ -240,7 +240,11 @@ class AttemptRun:
             )
         self.memory.track(training.device_tensors()["optimizer_state"])
         self.progress.step = self.progress.last_checkpoint = self.progress.resumed_from = latest.step
-        self.say(f"resumed from checkpoint at step {latest.step} ({latest.path.name})")
+        # The checkpoint is read into host memory and each tensor moved on its own: the device
+        # never holds a second copy of the state, and a resume needs no more than a step.
+        peak = self.memory.peak_bytes()
+        held = f"; device peak while resuming: {peak} bytes ({format_mib(peak)})" if peak is not None else ""
+        self.say(f"resumed from checkpoint at step {latest.step} ({latest.path.name}){held}")
 
     # -- the steps ---------------------------------------------------------------------------
 

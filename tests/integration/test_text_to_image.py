@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,11 @@ def test_a_new_process_resumes_after_an_oom_at_a_checkpoint_to_the_uninterrupted
     second = run_runner(write_attempt(workdir / "a2", job, workdir, plan=plain.replace(micro_batch=1), cap=schedule, number=2), timeout=240)
     assert second.outcome.kind == "finished", second
     assert "resumed from checkpoint at step 3" in second.stdout
+    # Resuming (weights, then the optimizer state read on the host and moved per tensor) needs
+    # no more of the device than the training steps that follow it.
+    (resume_peak,) = re.findall(r"device peak while resuming: (\d+) bytes", second.stdout)
+    assert 0 < int(resume_peak) <= min(m["peak_bytes"] for m in second.metrics), (resume_peak, second.metrics)
+    print(f"{layout}-{method}: device peak while resuming {int(resume_peak)} bytes, steps after it {[m['peak_bytes'] for m in second.metrics]}")
     assert_same_weights(workdir / "final", tmp_path / "reference" / "final")
 
 
