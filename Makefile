@@ -87,7 +87,8 @@ bench: install
 # offloading runners (the last two as root only: a tmpfs, a memory cgroup), and a NaN injected
 # after the precision rung. About 15 minutes on 2 cores; results in bench/results/faults.md
 # and faults.json. First the long variants of the suite's tests (marker `long`: four ranks
-# resuming a sharded checkpoint, SDXL LoRA resuming after an OOM; about a minute).
+# resuming a sharded checkpoint, SDXL LoRA resuming after an OOM, an SDXL job's samples; about
+# a minute).
 faults: install slurm-tools
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m long -n $(TEST_WORKERS) --dist loadfile
 	$(BIN)/python -m pytest -q -m bench tests/e2e/test_faults.py

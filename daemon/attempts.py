@@ -335,7 +335,10 @@ class Attempts:
             self._report_live_recoveries(attempt)
             if queued is None or queued.state == "RUNNING":  # waiting in a cluster's queue is not a stall
                 self._check_stalled(attempt)
-                self.creep.check(attempt, self.files_of)
+                try:
+                    self.creep.check(attempt, self.files_of)
+                except Exception as error:  # noqa: BLE001 - a warning that failed must not end the attempt it warns about
+                    log_error(f"reading attempt {attempt_id}'s step timeline for creep", error)
             return
         del self.running[attempt_id]
         self.queue.forget(attempt_id)

@@ -17,10 +17,10 @@ from oomguard.jobs.attempt import AttemptFiles
 from oomguard.jobs.script_report import step_records
 from oomguard.strategies.creep import Creep, find_creep
 
-# How often one attempt's timeline is read, and how much of its end (about 300 bytes a step:
-# the last ~800 steps).
+# How often one attempt's timeline is read (when it has grown), and how much of its end (about
+# 300 bytes a step: the last ~3,500 steps).
 CHECK_SECONDS = 2.0
-TAIL_BYTES = 256 * 1024
+TAIL_BYTES = 1 << 20
 
 
 def timeline(records: list[dict[str, Any]]) -> tuple[list[tuple[int, int]], int | None]:

@@ -127,14 +127,16 @@ class FrozenParts:
         fp32, which visits the device for it (training never needs it there); ``tiled``: in
         overlapping tiles, one image at a time (diffusers' tiling and slicing)."""
         modules = [m for m in (self.vae.decoder, self.vae.post_quant_conv) if m is not None]
-        for module in modules:
-            module.to(self.device)
-        if self.memory is not None:
-            self.memory.move_in(self._tensors(modules))
         tiling, slicing = self.vae.use_tiling, self.vae.use_slicing
-        self.vae.use_tiling = self.vae.use_slicing = tiled
         try:
-            images = self.vae.decode(latents.float() / self.vae.config.scaling_factor).sample
+            for module in modules:
+                module.to(self.device)
+            if self.memory is not None:
+                self.memory.move_in(self._tensors(modules))
+            self.vae.use_tiling = self.vae.use_slicing = tiled
+            # fp32 whatever the training autocasts to: SD's and SDXL's VAEs overflow in fp16.
+            with torch.autocast(self.device.type, enabled=False):
+                images = self.vae.decode(latents.float() / self.vae.config.scaling_factor).sample
         finally:
             self.vae.use_tiling, self.vae.use_slicing = tiling, slicing
             if self.memory is not None:

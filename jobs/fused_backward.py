@@ -67,9 +67,3 @@ class FusedBackwardOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         for p, own in self._own.items():
             own.state[p] = self.state[p]
-
-    def close(self) -> None:
-        """Take the hooks off the parameters (a plan without the rung builds an ordinary one)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []

@@ -3,11 +3,15 @@
 Autograd's saved-tensor hooks, as ``torch.autograd.graph.save_on_cpu`` does it, with two
 differences: the copies go through the run's DeviceMemory (so the emulated device counts the
 copy coming back and not the one on the host), and tensors that share a parameter's storage
-stay where they are (save_on_cpu copies the weights too, every micro-batch, for nothing).
+stay where they are (save_on_cpu copies the weights too, every micro-batch, for nothing), and a
+tensor saved by several ops is copied once. Under autocast the low-precision copies of the
+weights that autocast saves are not the weights' storages and are copied like activations
+(a known cost: a half-precision copy of the model each way per micro-batch).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -23,11 +27,20 @@ class HostActivations(torch.autograd.graph.saved_tensors_hooks):
 
     def __init__(self, memory: DeviceMemory, model: torch.nn.Module) -> None:
         weights = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        # A tensor several ops save (the input of q, k and v) is copied once: by the tensor
+        # itself, held weakly (a tensor freed since may leave its address and id to a new one),
+        # and its version (unchanged in place since).
+        copies: dict[int, tuple[weakref.ref[torch.Tensor], int, Any]] = {}
 
         def pack(tensor: torch.Tensor) -> Any:
             if tensor.layout is not torch.strided or _storage_key(tensor) in weights or _nbytes(tensor) < SMALLEST_MOVED:
                 return tensor
-            return tensor.device, memory.to_host(tensor)
+            seen = copies.get(id(tensor))
+            if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
+                return seen[2]
+            packed = tensor.device, memory.to_host(tensor)
+            copies[id(tensor)] = (weakref.ref(tensor), tensor._version, packed)
+            return packed
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):

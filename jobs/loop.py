@@ -145,6 +145,8 @@ class AttemptRun:
         self.checkpoints_dir = config.workdir / "checkpoints"
         # Samples while training (a text-to-image job's train.sample_every_steps), by one process.
         self.sampler = Sampler(self.job, self.trainer, config.workdir, self.say) if self.job.train.sample_every_steps and self.ranks.solo else None
+        if self.job.train.sample_every_steps and not self.ranks.solo and self.ranks.main:
+            self.say(f"train.sample_every_steps: samples are rendered by jobs of one process; none in this run of {self.ranks.world_size} processes")
         self.last_checkpoint_time = 0.0
         self.steps_in_process = 0
         self.step_ups = StepUps(config.step_up, origin=self.job.initial_plan(), in_process=config.recover_in_process)

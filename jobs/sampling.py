@@ -54,22 +54,33 @@ LADDER = (
 )
 
 
+class StateNotRestored(RuntimeError):
+    """The optimizer state could not come back to the device after sampling: not an OOM the
+    sampler may step down from (its state is not whole on the device), so the attempt ends on
+    it and the next resumes from the last checkpoint."""
+
+
 @contextmanager
 def optimizer_state_on_host(optimizer: torch.optim.Optimizer, memory: DeviceMemory) -> Iterator[None]:
     """The optimizer's state tensors that sit on the device, in host memory for the block."""
     on_device = {id(t) for t in device_state_tensors(optimizer)}
     moved: list[tuple[dict[str, Any], str, torch.device, torch.Tensor]] = []
     for state in optimizer.state.values():
-        for key, value in list(state.items()):
-            if isinstance(value, torch.Tensor) and id(value) in on_device:
-                moved.append((state, key, value.device, memory.to_host(value)))
-                state[key] = moved[-1][3]
-    del on_device, value  # the device tensors go with the last references to them
+        for key in list(state):
+            if isinstance(state[key], torch.Tensor) and id(state[key]) in on_device:
+                device = state[key].device
+                # Replaced in the state: the device tensor goes with its last reference.
+                state[key] = memory.to_host(state[key])
+                moved.append((state, key, device, state[key]))
+    del on_device
     try:
         yield
     finally:
-        for state, key, device, host in moved:
-            state[key] = memory.to_device(host, device)
+        try:
+            for state, key, device, host in moved:
+                state[key] = memory.to_device(host, device)
+        except torch.OutOfMemoryError as error:
+            raise StateNotRestored(f"out of memory moving the optimizer state back to the device after sampling: {error}") from error
 
 
 class Sampler:

@@ -6,8 +6,8 @@ A step's peak varies with its batch (caption lengths, aspect-ratio buckets, time
 single peaks say little. The steps are cut into ``WINDOWS`` consecutive windows; creep is when
 the lowest peak of each window is at least the lowest of the one before, above it in all but
 one pair (growth, not one jump: a cache filled once, a larger bucket), and the last lies above
-the first by ``GROWTH_SHARE`` of it or more (at least ``GROWTH_FLOOR``, so that a few bytes on a
-small run never count). Jitter moves the windows' highest peaks, not their floors; a leak
+the first by ``GROWTH_SHARE`` of it, or ``HEADROOM_SHARE`` of the room left under the capacity
+where that is less (at least ``GROWTH_FLOOR``, so that a few bytes on a small run never count). Jitter moves the windows' highest peaks, not their floors; a leak
 lifts every floor. Only steps of one plan are compared (a plan change
 changes the peak), and the first steps of a process are left out (the optimizer state
 appears in the first step).
@@ -27,6 +27,7 @@ MIN_STEPS_PER_WINDOW = 6
 # settle (caches, the first checkpoint).
 SETTLING_STEPS = 2
 GROWTH_SHARE = 0.03
+HEADROOM_SHARE = 0.1
 GROWTH_FLOOR = 1 << 20
 
 
@@ -66,7 +67,12 @@ def find_creep(points: Sequence[tuple[int, int]], capacity: int | None = None) -
     rises = [later - earlier for earlier, later in zip(floors, floors[1:])]
     if min(rises) < 0 or sum(rise > 0 for rise in rises) < len(rises) - 1:
         return None
-    if floors[-1] - floors[0] < max(GROWTH_FLOOR, GROWTH_SHARE * floors[0]):
+    # A share of the floor, or of the room left under the capacity where that is less (a
+    # 20 GB job with 2 GB to spare is in danger long before it has grown by 3 %).
+    wanted = GROWTH_SHARE * floors[0]
+    if capacity and capacity > floors[0]:
+        wanted = min(wanted, HEADROOM_SHARE * (capacity - floors[0]))
+    if floors[-1] - floors[0] < max(GROWTH_FLOOR, wanted):
         return None
     # Between the middles of the first and last windows.
     steps = windows[-1][size // 2][0] - windows[0][size // 2][0]

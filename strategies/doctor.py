@@ -415,7 +415,8 @@ def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: P
         new_plan = rung.step(plan)
         while new_plan is not None and new_plan in failed:
             new_plan = rung.step(new_plan)
-        if new_plan is not None:
+        # Never a plan the runner cannot run (smaller slices under the step in backward).
+        if new_plan is not None and rungs.conflict(new_plan) is None:
             return NextPlan(plan=new_plan, rung=rung.name, reason=f"in-process -> {rung.describe(plan, new_plan)}")
     return None
 

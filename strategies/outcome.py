@@ -19,7 +19,7 @@ from oomguard.strategies.plan import Plan
 # which needs a new process (a step back up, or back from one that did not hold:
 # strategies/step_up_history.py).
 OutcomeKind = Literal["finished", "oom", "host_oom", "diverged", "crashed", "cancelled", "interrupted", "time_limit", "disk_full", "replan"]
-Phase = Literal["setup", "data", "forward", "backward", "optimizer", "checkpoint"]
+Phase = Literal["setup", "data", "forward", "backward", "optimizer", "checkpoint", "sampling"]
 
 # The runner's exit codes. They are documented in the README; the daemon trusts outcome.json
 # first and falls back to these when the runner died before writing it.

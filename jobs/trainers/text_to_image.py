@@ -332,7 +332,7 @@ class TextToImageTrainer:
     ) -> torch.Tensor:
         """Images (N, 3, H, W) in [0, 1], on the host, of ``prompts`` by the model being trained:
         DDIM from the pipeline's scheduler config, classifier-free guidance against the empty
-        prompt, ``batch`` prompts at a time. Each prompt's starting noise is drawn from seed +
+        prompt (SDXL: against zeros, as its pipeline), ``batch`` prompts at a time. Each prompt's starting noise is drawn from seed +
         its index, so how many go at once changes nothing but the rounding."""
         from diffusers import DDIMScheduler
 
@@ -350,9 +350,14 @@ class TextToImageTrainer:
                 hidden = hidden.float()
                 added = None
                 if self.sdxl:
+                    # SDXL's pipeline guides against zeros, not the empty prompt's embeddings
+                    # (its force_zeros_for_empty_prompt).
+                    hidden[len(chunk):] = 0
+                    pooled = pooled.float()
+                    pooled[len(chunk):] = 0
                     resolution = self.job.data.resolution
                     time_ids = torch.tensor([[resolution, resolution, 0, 0, resolution, resolution]], dtype=torch.float32).to(device, copy=True)
-                    added = {"text_embeds": pooled.float(), "time_ids": time_ids.repeat(2 * len(chunk), 1)}
+                    added = {"text_embeds": pooled, "time_ids": time_ids.repeat(2 * len(chunk), 1)}
                 noise = [
                     torch.randn((1, self.latent_channels, size, size), generator=torch.Generator().manual_seed(seed + start + i))
                     for i in range(len(chunk))

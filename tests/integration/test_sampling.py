@@ -76,3 +76,35 @@ def test_the_sampling_settings_go_from_the_fastest_to_the_smallest():
         "one prompt at a time, the optimizer state in host memory while sampling",
         "one prompt at a time, the optimizer state in host memory while sampling, the VAE decoding in tiles",
     ]
+
+
+def test_an_optimizer_without_state_on_the_device_is_left_alone():
+    memory = EmulatedMemory(CapSchedule(((0, 64 << 30),)))
+    with memory:
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4))], lr=1e-2)  # no step yet: no state
+        with optimizer_state_on_host(optimizer, memory):
+            pass
+    assert not optimizer.state
+
+
+def test_an_attempt_that_ended_while_sampling_has_an_outcome_the_daemon_reads():
+    from oomguard.strategies.outcome import Outcome
+
+    outcome = Outcome.from_dict({"kind": "crashed", "phase": "sampling", "step": 4, "message": "boom"})
+    assert outcome.phase == "sampling"
+
+
+@pytest.mark.long  # another layout of the case above (make faults runs it)
+def test_an_sdxl_job_renders_its_samples(tmp_path):
+    pipeline = save_tiny_pipeline(tmp_path / "sdxl", "sdxl")
+    data = write_captioned_images(tmp_path / "data")
+    train = 'sample_every_steps = 2\nsample_prompts = ["a red thing", "a blue thing"]\nsample_inference_steps = 2\n'
+    job = text_to_image_job(tmp_path, "sdxl-samples", pipeline, data, method="lora", max_steps=2, train=train)
+    result = oomguard("run", "--json", str(job), "--workdir", str(tmp_path / "work"), timeout=300)
+    assert json.loads(result.stdout)["state"] == "finished", result.stderr[-3000:]
+    images = sorted((tmp_path / "work" / "samples" / "step-000002").glob("*.png"))
+    assert [p.name for p in images] == ["00.png", "01.png"]
+    from PIL import Image
+
+    with Image.open(images[0]) as image:
+        assert image.size == (32, 32)

@@ -45,3 +45,25 @@ def test_a_steady_leak_is_found_with_its_rate_and_when_it_reaches_the_cap():
 )
 def test_what_is_not_creep(points):
     assert find_creep(points, capacity=200 * MiB) is None
+
+
+def test_the_timeline_is_the_last_plans_steps_with_the_last_capacity():
+    from oomguard.daemon.creep_watch import timeline
+
+    records = [
+        {"step": 1, "peak_bytes": 10, "plan": "mb=8x1", "capacity_bytes": 100},
+        {"step": 2, "peak_bytes": 11, "plan": "mb=4x2", "capacity_bytes": 100},
+        {"step": 3, "peak_bytes": True, "plan": "mb=4x2", "capacity_bytes": 90},
+        {"step": 4, "peak_bytes": 12, "plan": "mb=4x2", "capacity_bytes": 90},
+        {"step": 5, "peak_bytes": 13, "plan": "mb=4x2", "capacity_bytes": 80},
+    ]
+    # A plan change or a record without a peak ends the timeline (read from the end).
+    assert timeline(records) == ([(4, 12), (5, 13)], 80)
+    assert timeline([]) == ([], None)
+
+
+def test_a_big_job_close_to_its_cap_is_warned_before_it_has_grown_by_three_per_cent():
+    # 20 GiB of floor, 2 GiB to spare, 400 KiB a step over 800 steps: 0.3 GiB, 1.5 % of the floor.
+    points = timeline(800, base=20 << 30, leak=400 * 1024, jitter=64 * MiB)
+    assert find_creep(points, capacity=22 << 30) is not None
+    assert find_creep(points, capacity=None) is None

@@ -38,3 +38,15 @@ def test_when_the_model_state_dominates_it_beats_smaller_micro_batches():
     choice = planner.choose(BASE, planner.candidate_plans(BASE, ("micro_batch", "fused_backward")), model, 36 * MiB)
     assert choice is not None and choice.plan == FUSED, choice
     assert choice.rungs == ("fused_backward",)
+
+
+def test_recovery_in_process_never_slices_a_plan_that_steps_in_backward():
+    from oomguard.strategies.doctor import decide_in_process
+    from oomguard.strategies.policy import Policy
+
+    # No numbers (no capacity): the fallback walks the in-process rungs; smaller slices would
+    # step the optimizer once per slice, so it takes checkpointing instead.
+    decision = decide_in_process(FUSED, [], Policy(allow=("micro_batch", "checkpointing")), None)
+    assert decision is not None and decision.rung == "checkpointing", decision
+    assert rungs.conflict(decision.plan) is None
+    assert decide_in_process(FUSED, [], Policy(allow=("micro_batch",)), None) is None
