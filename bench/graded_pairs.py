@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from pair_runs import fmt, landed, run_oomguard, sweep, sweep_summary  # noqa: E402
+from pair_runs import fmt, landed, pair_medians, run_oomguard, sweep, sweep_summary  # noqa: E402
 
 # activation_offload and offload are left out: on a GPU each byte they move crosses PCIe, on this
 # CPU it is a copy within host memory, nearly free, so a CPU sweep ranks them far above what
@@ -162,14 +161,7 @@ def measure(scratch: Path) -> dict[str, Any]:
 
 def medians(result: dict[str, Any]) -> dict[str, Any]:
     pairs = result["pairs"]
-    fractions = [p["fraction_of_oracle"] for p in pairs if p["fraction_of_oracle"] is not None]
-    return {
-        "ooms": statistics.median(p["ooms"] for p in pairs),
-        "fraction_of_oracle": statistics.median(fractions) if fractions else None,
-        "finished": sum(p["state"] == "finished" for p in pairs),
-        "graded_wins": sum(p["graded_over_on_off"] is not None and p["graded_over_on_off"] > 1 for p in pairs),
-        "pairs": len(pairs),
-    }
+    return {**pair_medians(pairs), "graded_wins": sum(p["graded_over_on_off"] is not None and p["graded_over_on_off"] > 1 for p in pairs)}
 
 
 def markdown_section(result: dict[str, Any]) -> list[str]:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pair_runs import BIN, environment, fmt, landed, run_oomguard, sweep, sweep_summary
+from pair_runs import BIN, environment, fmt, landed, pair_medians, run_oomguard, sweep, sweep_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -174,14 +174,7 @@ def widen_versus_step_down(scratch: Path, cap: int) -> dict[str, Any]:
 
 
 def medians(result: dict[str, Any]) -> dict[str, Any]:
-    pairs = result["pairs"]
-    fractions = [p["fraction_of_oracle"] for p in pairs if p["fraction_of_oracle"] is not None]
-    return {
-        "ooms": statistics.median(p["ooms"] for p in pairs),
-        "fraction_of_oracle": statistics.median(fractions) if fractions else None,
-        "finished": sum(p["state"] == "finished" for p in pairs),
-        "pairs": len(pairs),
-    }
+    return pair_medians(result["pairs"])
 
 
 def markdown_section(result: dict[str, Any]) -> list[str]:

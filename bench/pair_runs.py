@@ -79,6 +79,18 @@ def landed(record: dict[str, Any]) -> tuple[str | None, int]:
     return plan, ooms
 
 
+def pair_medians(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over pairs that each record "ooms", "fraction_of_oracle" (None: unknown) and "state": the
+    median OOMs, the median fraction of the oracle, how many finished, how many pairs."""
+    fractions = [p["fraction_of_oracle"] for p in pairs if p["fraction_of_oracle"] is not None]
+    return {
+        "ooms": statistics.median(p["ooms"] for p in pairs),
+        "fraction_of_oracle": statistics.median(fractions) if fractions else None,
+        "finished": sum(p["state"] == "finished" for p in pairs),
+        "pairs": len(pairs),
+    }
+
+
 def sweep_summary(plans: dict[str, dict[str, Any]]) -> str:
     """A sweep in one line, lowest peak first: each plan's peak and samples/s."""
     return "; ".join(
