@@ -116,7 +116,8 @@ def files_of(store: Store, attempt: AttemptRow) -> AttemptFiles:
 
 class Attempts:
     """Starts a job's next attempt through the Launcher, watches the running ones (stop
-    deadline, stalls, rungs the runner took itself, memory that creeps up), adopts what an earlier daemon left, and
+    deadline, stalls, rungs the runner took itself, memory that creeps up), adopts what an
+    earlier daemon left, and
     collects each that ended: its Outcome (conclude) recorded, and ``after`` told."""
 
     def __init__(
@@ -335,10 +336,7 @@ class Attempts:
             self._report_live_recoveries(attempt)
             if queued is None or queued.state == "RUNNING":  # waiting in a cluster's queue is not a stall
                 self._check_stalled(attempt)
-                try:
-                    self.creep.check(attempt, self.files_of)
-                except Exception as error:  # noqa: BLE001 - a warning that failed must not end the attempt it warns about
-                    log_error(f"reading attempt {attempt_id}'s step timeline for creep", error)
+                self.creep.check(attempt, self.files_of)
             return
         del self.running[attempt_id]
         self.queue.forget(attempt_id)

@@ -10,14 +10,14 @@ from collections.abc import Callable
 from typing import Any
 
 from oomguard.daemon.clock import Clock
-from oomguard.daemon.events import Events
+from oomguard.daemon.events import Events, log_error
 from oomguard.daemon.store import Store
 from oomguard.daemon.store_rows import AttemptRow
-from oomguard.jobs.attempt import AttemptFiles
+from oomguard.jobs.attempt import METRICS, AttemptFiles
 from oomguard.jobs.script_report import step_records
 from oomguard.strategies.creep import Creep, find_creep
 
-# How often one attempt's timeline is read (when it has grown), and how much of its end (about
+# How often one attempt's timeline is looked at (read only when it has changed), and how much of its end (about
 # 300 bytes a step: the last ~3,500 steps).
 CHECK_SECONDS = 2.0
 TAIL_BYTES = 1 << 20
@@ -42,17 +42,30 @@ class CreepWatch:
         self.store = store
         self.events = events
         self.clock = clock
-        self._checked: dict[int, float] = {}
+        # When each attempt's timeline was last looked at, and its modification time then.
+        self._checked: dict[int, tuple[float, float | None]] = {}
         self._reported: set[int] = set()
 
     def check(self, attempt: AttemptRow, files_of: Callable[[AttemptRow], AttemptFiles]) -> Creep | None:
         """Read the attempt's timeline (its folder opened by ``files_of``) if it is due; report
-        creep found there once."""
-        now = self.clock.monotonic()
-        if attempt.id in self._reported or now - self._checked.get(attempt.id, float("-inf")) < CHECK_SECONDS:
+        creep found there once. A failure here is logged: a warning must never end the attempt
+        it is about (the daemon's collection of attempts ends one whose handling raised)."""
+        try:
+            return self._check(attempt, files_of)
+        except Exception as error:  # noqa: BLE001 - logged, and the attempt runs on
+            log_error(f"reading attempt {attempt.id}'s step timeline for creep", error)
             return None
-        self._checked[attempt.id] = now
+
+    def _check(self, attempt: AttemptRow, files_of: Callable[[AttemptRow], AttemptFiles]) -> Creep | None:
+        now = self.clock.monotonic()
+        checked_at, seen = self._checked.get(attempt.id, (float("-inf"), None))
+        if attempt.id in self._reported or now - checked_at < CHECK_SECONDS:
+            return None
         with files_of(attempt) as files:
+            written = files.mtime(METRICS)
+            self._checked[attempt.id] = (now, written)
+            if written is None or written == seen:
+                return None  # no step since the last look: nothing new to read
             points, capacity = timeline(step_records(files, TAIL_BYTES))
         creep = find_creep(points, capacity)
         if creep is None:

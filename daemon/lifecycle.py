@@ -13,7 +13,6 @@ job, in one transaction.
 from __future__ import annotations
 
 import dataclasses
-
 import json
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
@@ -31,6 +30,7 @@ from oomguard.strategies.doctor import decide
 from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt, Retry, Wait, WaitForDisk
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.policy import Policy
 from oomguard.strategies.step_up import StepUp
 from oomguard.strategies.step_up_history import LAUNCH_STEP_UP_RUNG, STEP_UP_FAILED_RUNG
 from oomguard.strategies.units import format_bytes
@@ -262,11 +262,7 @@ class Lifecycle:
         # moved it from the one it started with.
         plan = outcome.plan or job.plan
         history = past_attempts(self.store.attempts(job.id))
-        policy = spec.policy()
-        if outcome.kind == "oom" and widest is not None and spec.command is None:
-            # Out of memory with GPUs free: the doctor may widen onto them rather than step down.
-            policy = dataclasses.replace(policy, widest=min(spec.resources.widest, widest))
-        decision = decide(outcome, plan, history, policy)
+        decision = decide(outcome, plan, history, _policy_after(outcome, spec, widest))
         if isinstance(decision, (Retry, Wait, WaitForDisk)) and outcome.plan is not None:
             self.keep_plan(job, outcome.plan)
         if isinstance(decision, NextPlan) and outcome.kind == "replan":
@@ -352,3 +348,13 @@ def past_attempts(attempts: Sequence[AttemptRow]) -> list[PastAttempt]:
         PastAttempt(plan=a.outcome.plan or a.plan, outcome=a.outcome, stepped_up=a.rung == LAUNCH_STEP_UP_RUNG)
         for a in attempts if a.outcome is not None
     ]
+
+
+def _policy_after(outcome: Outcome, spec: JobSpec, widest: int | None) -> Policy:
+    """The job's policy for the decision after ``outcome``: out of memory with GPUs free (the
+    scheduler's count, ``widest``), a built-in job whose resources.gpus is a range may widen
+    onto them rather than step down."""
+    policy = spec.policy()
+    if outcome.kind == "oom" and widest is not None and spec.command is None:
+        policy = dataclasses.replace(policy, widest=min(spec.resources.widest, widest))
+    return policy

@@ -15,6 +15,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from oomguard.jobs.memory_cap import DeviceMemory
 
@@ -52,8 +53,6 @@ class HostActivations(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _storage_key(tensor: torch.Tensor) -> int:
-    from torch.distributed.tensor import DTensor
-
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     return local.untyped_storage().data_ptr()
 

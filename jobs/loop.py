@@ -144,8 +144,10 @@ class AttemptRun:
         self.memory = open_device_memory(spec, self.device, self._device_tensors, gpu=AssignedGpu.from_environment())
         self.checkpoints_dir = config.workdir / "checkpoints"
         # Samples while training (a text-to-image job's train.sample_every_steps), by one process.
-        self.sampler = Sampler(self.job, self.trainer, config.workdir, self.say) if self.job.train.sample_every_steps and self.ranks.solo else None
-        if self.job.train.sample_every_steps and not self.ranks.solo and self.ranks.main:
+        self.sampler: Sampler | None = None
+        if self.job.train.sample_every_steps and self.ranks.solo:
+            self.sampler = Sampler(self.job, self.trainer, config.workdir, self.say)
+        elif self.job.train.sample_every_steps and self.ranks.main:
             self.say(f"train.sample_every_steps: samples are rendered by jobs of one process; none in this run of {self.ranks.world_size} processes")
         self.last_checkpoint_time = 0.0
         self.steps_in_process = 0

@@ -97,18 +97,22 @@ def measure(
     return (ran, None) if ran is not None else failure  # type: ignore[return-value]
 
 
-def calibration_plans(first: Plan, allow: tuple[str, ...]) -> list[Plan]:
+def calibration_plans(first: Plan, allow: tuple[str, ...], model: MemoryModel, origin: Plan, capacity: int) -> list[Plan]:
     """The first measured plan with each allowed exact rung that only shrinks activations
     taken, one at a time: measured when the whole batch does not fit, so that the memory model
     knows what each saves on this model (MemoryModel's observed factors) before it chooses
     between them. Their factors differ between models (gradient checkpointing keeps about 62 %
     of this project's UNet2DModel's activations and about a third of a Stable Diffusion
     UNet's), and a wrong one hides the fastest plan that fits."""
+    if model.fits(origin, capacity) is True:
+        return []
     plans = []
     for r in rungs.ladder():
         if r.name in allow and r.exact and r.activations_only and r.role == "shape" and (step := r.step(first)) is not None:
             plans.append(step)
-    return plans
+    # A rung that shrinks activations cannot help where the model's state alone does not fit:
+    # measuring it would only be another OOM.
+    return [p for p in plans if (line := model.line(p)) is None or line.fixed <= capacity]
 
 
 def run_probe(
@@ -140,10 +144,7 @@ def run_probe(
     calibrations: list[Plan] | None = None
     clean = memory.live_bytes() or 0
     while next_plan is not None and len(measurements) < MAX_PROBED_PLANS:
-        try:
-            measured, oom = measure(trainer, job, next_plan, device, memory, control, ranks=ranks)
-        except RankAlone as alone:
-            raise RankAlone(alone.outcome, (*measurements, *alone.measurements)) from None
+        measured, oom = _measure_after(measurements, trainer, job, next_plan, device, memory, control, ranks)
         measurements.append(measured)
         last_oom = oom or last_oom
         leftover = ranks.largest(unfit_to_continue(memory, clean) or 0) or None
@@ -156,10 +157,7 @@ def run_probe(
         say(f"probe: [{next_plan.short()}] {verdict} (capacity {format_mib(capacity)})")
         model = MemoryModel(measurements)
         if calibrations is None:
-            calibrations = calibration_plans(measured.plan, policy.allow) if model.fits(origin, capacity) is not True else []
-            # A rung that shrinks activations cannot help where the model's state alone does not
-            # fit: measuring it would only be another OOM.
-            calibrations = [p for p in calibrations if (line := model.line(p)) is None or line.fixed <= capacity]
+            calibrations = calibration_plans(measured.plan, policy.allow, model, origin, capacity)
         if calibrations:
             next_plan = calibrations.pop(0)
             continue
@@ -179,6 +177,18 @@ def run_probe(
         else:
             next_plan = None
     return _out_of_measurements(start, origin, candidates, measurements, capacity, last_oom)
+
+
+def _measure_after(
+    measurements: list[Measurement], trainer: Trainer, job: JobSpec, plan: Plan, device: torch.device, memory: DeviceMemory, control: Control,
+    ranks: RankGroup,
+) -> tuple[Measurement, Outcome | None]:
+    """``measure``; a rank that ends alone (an OOM in a sharded plan's collectives) ends with
+    every measurement so far, for the doctor."""
+    try:
+        return measure(trainer, job, plan, device, memory, control, ranks=ranks)
+    except RankAlone as alone:
+        raise RankAlone(alone.outcome, (*measurements, *alone.measurements)) from None
 
 
 def _out_of_measurements(

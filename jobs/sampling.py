@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,7 +28,12 @@ from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import device_state_tensors
 from oomguard.jobs.spec import JobSpec
 
+if TYPE_CHECKING:
+    from oomguard.jobs.trainers.text_to_image import TextToImageTrainer
+
 SAMPLES_FOLDER = "samples"
+# Classifier-free guidance of the samples (diffusers' default).
+GUIDANCE = 7.5
 
 
 @dataclass(frozen=True)
@@ -84,9 +89,10 @@ def optimizer_state_on_host(optimizer: torch.optim.Optimizer, memory: DeviceMemo
 
 
 class Sampler:
-    """Renders a text-to-image job's samples at its sampling steps (jobs/loop.py calls it)."""
+    """Renders a text-to-image job's samples at its sampling steps (jobs/loop.py makes one for a
+    job with train.sample_every_steps)."""
 
-    def __init__(self, job: JobSpec, trainer: Any, workdir: Path, say: Callable[[str], None]) -> None:
+    def __init__(self, job: JobSpec, trainer: TextToImageTrainer, workdir: Path, say: Callable[[str], None]) -> None:
         self.train = job.train
         self.trainer = trainer
         self.folder = workdir / SAMPLES_FOLDER
@@ -94,8 +100,7 @@ class Sampler:
         self.level = 0
 
     def due(self, step: int) -> bool:
-        every = self.train.sample_every_steps
-        return every is not None and step % every == 0
+        return step % self.train.sample_every_steps == 0
 
     def render(self, training: Any, step: int, memory: DeviceMemory) -> list[Path]:
         """The samples of ``step``, written; [] when every setting ran out of memory."""
@@ -103,7 +108,6 @@ class Sampler:
 
         while True:
             settings = LADDER[self.level]
-            ran_out = None
             try:
                 return self._render(training, step, memory, settings)
             except torch.OutOfMemoryError as error:
@@ -121,8 +125,8 @@ class Sampler:
         batch = 1 if settings.one_at_a_time else len(prompts)
         host_state = optimizer_state_on_host(training.optimizer, memory) if settings.optimizer_on_host else nullcontext()
         with host_state, training.autocast():
-            images = self.trainer.render_samples(
-                training.model, prompts, self.train.sample_inference_steps, self.train.seed, batch, settings.vae_tiled, training.device, memory,
+            images = render_samples(
+                self.trainer, training.model, prompts, self.train.sample_inference_steps, self.train.seed, batch, settings.vae_tiled, training.device, memory,
             )
         return self._write(images, step)
 
@@ -139,3 +143,57 @@ class Sampler:
             paths.append(path)
         self.say(f"samples of step {step}: {len(paths)} image(s) in {folder}")
         return paths
+
+
+@torch.no_grad()
+def render_samples(
+    trainer: TextToImageTrainer, model: torch.nn.Module, prompts: tuple[str, ...], inference_steps: int, seed: int, batch: int,
+    vae_tiled: bool, device: torch.device, memory: DeviceMemory,
+) -> torch.Tensor:
+    """Images (N, 3, H, W) in [0, 1], on the host, of ``prompts`` by the model being trained
+    (its trainer's frozen parts, scheduler config and latent size): DDIM, classifier-free
+    guidance against the empty prompt (SDXL: against zeros, as its pipeline), ``batch`` prompts
+    at a time. Each prompt's starting noise is drawn from seed + its index, so how many go at
+    once changes nothing but the rounding."""
+    from diffusers import DDIMScheduler
+
+    scheduler = DDIMScheduler.from_config(trainer.noise_scheduler.config)
+    size = trainer.latent_size
+    rendered = []
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(prompts), batch):
+            chunk = prompts[start:start + batch]
+            # The prompts, then as many empty prompts (the unconditional half).
+            ids = [t.to(device, copy=True) for t in trainer.frozen.tokenize([*chunk, *[""] * len(chunk)])]
+            hidden, pooled = trainer.frozen.encode_text(ids)
+            hidden = hidden.float()
+            added = None
+            if trainer.sdxl:
+                # SDXL's pipeline guides against zeros, not the empty prompt's embeddings
+                # (its force_zeros_for_empty_prompt).
+                hidden[len(chunk):] = 0
+                pooled = pooled.float()
+                pooled[len(chunk):] = 0
+                resolution = trainer.job.data.resolution
+                time_ids = torch.tensor([[resolution, resolution, 0, 0, resolution, resolution]], dtype=torch.float32).to(device, copy=True)
+                added = {"text_embeds": pooled, "time_ids": time_ids.repeat(2 * len(chunk), 1)}
+            noise = [
+                torch.randn((1, trainer.latent_channels, size, size), generator=torch.Generator().manual_seed(seed + start + i))
+                for i in range(len(chunk))
+            ]
+            latents = torch.cat(noise).to(device, copy=True) * scheduler.init_noise_sigma
+            scheduler.set_timesteps(inference_steps)
+            for t in scheduler.timesteps:
+                doubled = scheduler.scale_model_input(torch.cat([latents, latents]), t)
+                conditional, unconditional = model(doubled, t, hidden, added_cond_kwargs=added, return_dict=False)[0].chunk(2)
+                guided = unconditional + GUIDANCE * (conditional - unconditional)
+                latents = scheduler.step(guided, t, latents).prev_sample
+            images = trainer.frozen.decode_latents(latents, tiled=vae_tiled)
+            with memory.paused():  # host copies, which the emulated device must not count
+                rendered.append(images.to("cpu", copy=True))
+            del images, latents
+    finally:
+        model.train(was_training)
+    return torch.cat(rendered)

@@ -25,6 +25,7 @@ from oomguard.strategies.memory_model import Measurement, MemoryModel
 from oomguard.strategies.oom_judge import is_fragmentation
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.rungs.base import Rung
 from oomguard.strategies.planner import candidate_plans, rungs_between, with_process_settings
 from oomguard.strategies.policy import Policy
 from oomguard.strategies.step_up_history import after_failed_launch_step_up, after_replan, failed_launch_step_up, free_replan
@@ -386,13 +387,19 @@ def _walk_ladder(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], p
     for _, rung in order:
         if rung.name not in policy.allow:
             continue
-        new_plan = rung.step(plan)
-        while new_plan is not None and new_plan in failed:
-            new_plan = rung.step(new_plan)
-        # A plan the runner cannot run (the step in backward after micro-batches) is no step.
-        if new_plan is not None and rungs.conflict(new_plan) is None:
+        new_plan = _stepped(rung, plan, failed)
+        if new_plan is not None:
             return NextPlan(plan=new_plan, rung=rung.name, reason=f"{diagnosis} -> {rung.describe(plan, new_plan)}")
     return give_up(f"{diagnosis}; no allowed rung is left", history, policy)
+
+
+def _stepped(rung: Rung, plan: Plan, failed: set[Plan]) -> Plan | None:
+    """``rung``'s next step from ``plan`` past the plans that ran out of memory; None when it
+    has none, or only one the runner cannot run (smaller slices under the step in backward)."""
+    new_plan = rung.step(plan)
+    while new_plan is not None and new_plan in failed:
+        new_plan = rung.step(new_plan)
+    return new_plan if new_plan is not None and rungs.conflict(new_plan) is None else None
 
 
 def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: Policy, capacity: int | None) -> NextPlan | None:
@@ -412,11 +419,8 @@ def decide_in_process(plan: Plan, measurements: Sequence[Measurement], policy: P
     for rung in rungs.ladder():
         if rung.name not in allowed:
             continue
-        new_plan = rung.step(plan)
-        while new_plan is not None and new_plan in failed:
-            new_plan = rung.step(new_plan)
-        # Never a plan the runner cannot run (smaller slices under the step in backward).
-        if new_plan is not None and rungs.conflict(new_plan) is None:
+        new_plan = _stepped(rung, plan, failed)
+        if new_plan is not None:
             return NextPlan(plan=new_plan, rung=rung.name, reason=f"in-process -> {rung.describe(plan, new_plan)}")
     return None
 

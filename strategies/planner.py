@@ -77,14 +77,14 @@ def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) 
                 shapes.add(new)
                 frontier.append(new)
     # A combination the runner cannot run (sharding with LoRA, say) is no candidate; nor is a
-    # micro-batch a shape cannot run at (the optimizer step in backward: one slice only).
+    # micro-batch a shape cannot run at (the optimizer step in backward: one slice only). The
+    # shapes are sifted first: far fewer than their plans.
     plans = {plan for plan in shapes if rungs.conflict(plan) is None}
     for r in usable:
         if r.role == "batch" and r.choices is not None:
             values = list(r.choices(start))
             plans = {r.set(plan, value) for plan in plans for value in values}
-            plans = {plan for plan in plans if rungs.conflict(plan) is None}
-    return sorted(plans, key=_order)
+    return sorted((plan for plan in plans if rungs.conflict(plan) is None), key=_order)
 
 
 _PLAN_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))

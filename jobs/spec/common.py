@@ -228,11 +228,8 @@ def parse_train(s: Section) -> TrainSpec:
     # Only a text-to-image job's table may hold these (keys.py): elsewhere they are unknown keys.
     noise_offset = s.number("noise_offset", ge=0.0, lt=1.0, default=0.0)
     snr_gamma = s.number("snr_gamma", gt=0.0, default=None)
-    ema = s.bool("ema", default=False)
-    ema_decay = s.number("ema_decay", gt=0.0, lt=1.0, default=None)
+    ema, ema_decay = _ema(s)
     sample_every_steps, sample_prompts, sample_inference_steps = _samples(s)
-    if ema_decay is not None and not ema:
-        raise s.fail("ema_decay", "is set but train.ema is not: add `ema = true` to [train], or drop ema_decay")
     if micro_batch is not None and micro_batch > batch_size:
         raise s.fail(
             "micro_batch", f"expected an integer in 1..{batch_size} (at most train.batch_size), found {micro_batch}"
@@ -255,11 +252,20 @@ def parse_train(s: Section) -> TrainSpec:
         noise_offset=noise_offset,
         snr_gamma=snr_gamma,
         ema=ema,
-        ema_decay=ema_decay if ema_decay is not None else DEFAULT_EMA_DECAY,
+        ema_decay=ema_decay,
         sample_every_steps=sample_every_steps,
         sample_prompts=sample_prompts,
         sample_inference_steps=sample_inference_steps,
     )
+
+
+def _ema(s: Section) -> tuple[bool, float]:
+    """train.ema and its ema_decay (only with ema = true)."""
+    ema = s.bool("ema", default=False)
+    ema_decay = s.number("ema_decay", gt=0.0, lt=1.0, default=None)
+    if ema_decay is not None and not ema:
+        raise s.fail("ema_decay", "is set but train.ema is not: add `ema = true` to [train], or drop ema_decay")
+    return ema, ema_decay if ema_decay is not None else DEFAULT_EMA_DECAY
 
 
 def _samples(s: Section) -> tuple[int | None, tuple[str, ...], int]:

@@ -40,10 +40,6 @@ from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
 
 
-# Classifier-free guidance of the samples rendered during training (diffusers' default).
-SAMPLE_GUIDANCE = 7.5
-
-
 class DataError(ValueError):
     """An image of the job's data folder that cannot be trained on; the text names it."""
 
@@ -322,60 +318,6 @@ class TextToImageTrainer:
         if self.noise_scheduler.config.prediction_type == "v_prediction":
             return weights / (snr + 1)
         return weights / snr
-
-    # -- samples -----------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def render_samples(
-        self, model: torch.nn.Module, prompts: tuple[str, ...], inference_steps: int, seed: int, batch: int, vae_tiled: bool,
-        device: torch.device, memory: DeviceMemory,
-    ) -> torch.Tensor:
-        """Images (N, 3, H, W) in [0, 1], on the host, of ``prompts`` by the model being trained:
-        DDIM from the pipeline's scheduler config, classifier-free guidance against the empty
-        prompt (SDXL: against zeros, as its pipeline), ``batch`` prompts at a time. Each prompt's starting noise is drawn from seed +
-        its index, so how many go at once changes nothing but the rounding."""
-        from diffusers import DDIMScheduler
-
-        scheduler = DDIMScheduler.from_config(self.noise_scheduler.config)
-        size = self.latent_size
-        rendered = []
-        was_training = model.training
-        model.eval()
-        try:
-            for start in range(0, len(prompts), batch):
-                chunk = prompts[start:start + batch]
-                # The prompts, then as many empty prompts (the unconditional half).
-                ids = [t.to(device, copy=True) for t in self.frozen.tokenize([*chunk, *[""] * len(chunk)])]
-                hidden, pooled = self.frozen.encode_text(ids)
-                hidden = hidden.float()
-                added = None
-                if self.sdxl:
-                    # SDXL's pipeline guides against zeros, not the empty prompt's embeddings
-                    # (its force_zeros_for_empty_prompt).
-                    hidden[len(chunk):] = 0
-                    pooled = pooled.float()
-                    pooled[len(chunk):] = 0
-                    resolution = self.job.data.resolution
-                    time_ids = torch.tensor([[resolution, resolution, 0, 0, resolution, resolution]], dtype=torch.float32).to(device, copy=True)
-                    added = {"text_embeds": pooled, "time_ids": time_ids.repeat(2 * len(chunk), 1)}
-                noise = [
-                    torch.randn((1, self.latent_channels, size, size), generator=torch.Generator().manual_seed(seed + start + i))
-                    for i in range(len(chunk))
-                ]
-                latents = torch.cat(noise).to(device, copy=True) * scheduler.init_noise_sigma
-                scheduler.set_timesteps(inference_steps)
-                for t in scheduler.timesteps:
-                    doubled = scheduler.scale_model_input(torch.cat([latents, latents]), t)
-                    conditional, unconditional = model(doubled, t, hidden, added_cond_kwargs=added, return_dict=False)[0].chunk(2)
-                    guided = unconditional + SAMPLE_GUIDANCE * (conditional - unconditional)
-                    latents = scheduler.step(guided, t, latents).prev_sample
-                images = self.frozen.decode_latents(latents, tiled=vae_tiled)
-                with memory.paused():  # host copies, which the emulated device must not count
-                    rendered.append(images.to("cpu", copy=True))
-                del images, latents
-        finally:
-            model.train(was_training)
-        return torch.cat(rendered)
 
     # -- the end -----------------------------------------------------------------------------
 

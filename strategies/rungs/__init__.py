@@ -39,7 +39,7 @@ from oomguard.strategies.rungs import (
     vae_slicing,
     vae_tiling,
 )
-from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung, not_sharded
+from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung, no_conflict, not_sharded
 
 # The order is the ladder's. The caches come first: exact, and they make steps faster. The
 # approximate rungs go from the least invasive (the frozen encoders' precision) to the most.
@@ -178,8 +178,9 @@ def saved_activations(plan: Plan, memory: Any, model: Any) -> Any:
 
 
 def conflict(plan: Plan) -> str | None:
-    """Why ``plan`` combines rungs that cannot run together, or None."""
-    return next((reason for r in _LADDER if r.is_on(plan) and (reason := r.conflict(plan)) is not None), None)
+    """Why ``plan`` combines rungs that cannot run together, or None. (The planner asks it of
+    every candidate: the rungs without a conflict hook are passed over first.)"""
+    return next((reason for r in _LADDER if r.conflict is not no_conflict and r.is_on(plan) and (reason := r.conflict(plan)) is not None), None)
 
 
 def shard_model(plan: Plan, model: Any, mesh: Any) -> str | None:

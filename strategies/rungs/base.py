@@ -173,7 +173,7 @@ def _no_label(plan: Plan) -> str | None:
     return None
 
 
-def _no_conflict(plan: Plan) -> str | None:
+def no_conflict(plan: Plan) -> str | None:
     return None
 
 
@@ -249,7 +249,7 @@ class Rung:
     shard_model: Callable[[Plan, Any, Any], str | None] = not_sharded
     # Why a plan with this rung on cannot run with the rest of the plan (None: it can). The
     # planner never offers such a plan; the runner refuses one.
-    conflict: Callable[[Plan], str | None] = _no_conflict
+    conflict: Callable[[Plan], str | None] = no_conflict
     # None: a command job never takes it.
     command: CommandSide | None = None
     # Taken only once every chained rung before it on the ladder (of those allowed) is taken:
