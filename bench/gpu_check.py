@@ -18,6 +18,14 @@ when ``--cases multi`` names it; ``--dry-run`` on the CPU): a built-in job whose
 does not fit one card, by `oomguard run` on one card and on two, each capped at the same size;
 results in gpu-multi.md/json.
 
+A fourth part, *offload* (``--cases offload``; with the default cases on a GPU), times one
+training step (forward, backward, optimizer step) of SD 1.5's UNet at batch 1 with the state
+offloaded by oomguard's ``offload`` rung (jobs/optimizers.py HostOffloadedOptimizer) and by
+torchao's ``CPUOffloadOptimizer`` (which copies each gradient in backward and keeps tensors under
+4096 values on the GPU), the same initial weights, fused CPU AdamW in both; results in
+gpu-offload.md/json. torchao's asserts CUDA or XPU, so the dry run times ours alone (tiny UNet)
+and says why. The product switches implementations only on such a measurement.
+
 The rest of this docstring is the unet part.
 
 The model is ``diffusers.UNet2DConditionModel`` with SD 1.5's UNet config (written inline
@@ -1148,6 +1156,7 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
         "cuda": torch.version.cuda,
         "diffusers": version("diffusers"),
         "bitsandbytes": version("bitsandbytes"),
+        "torchao": version("torchao"),
         "peft": version("peft"),
         "load_average_at_start": os.getloadavg()[0],
     }
@@ -1156,7 +1165,7 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
-CASES = ("unet", "t2i", "multi")
+CASES = ("unet", "t2i", "multi", "offload")
 
 
 def parse_options() -> argparse.Namespace:
@@ -1165,7 +1174,8 @@ def parse_options() -> argparse.Namespace:
     parser.add_argument("--cases",
                         help="which parts run, comma-separated: unet (the SD 1.5 UNet through the runner, sweep and oracle), "
                              "t2i (text-to-image jobs through `oomguard run`), multi (a job on one and on two capped GPUs: "
-                             "bench/gpu_check_multi.py) (default: unet and t2i, and multi where there are 2 or more GPUs)")
+                             "bench/gpu_check_multi.py), offload (oomguard's offloaded optimizer against torchao's CPUOffloadOptimizer) "
+                             "(default: unet and t2i, and on a GPU offload, and multi where there are 2 or more GPUs)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the results go (default: bench/results)")
     parser.add_argument("--budget", type=float,
                         help=f"seconds for the whole check (default: {GPU_BUDGET_S:.0f}, {t2i.T2I_SHARE * 100:.0f}%% of it for t2i when both run; "
@@ -1234,6 +1244,8 @@ def main() -> int:
         status |= t2i.run(sys.modules[__name__], t2i_settings, budget * RACE_SHARE)
     if "multi" in args.cases or (args.default_cases and not args.dry_run and torch.cuda.device_count() >= 2):
         status |= multi_check(args, env)
+    if "offload" in args.cases or (args.default_cases and not args.dry_run):
+        status |= offload_check(args, machine, command)
     log(f"the check took {elapsed():.0f}s of its {budget:.0f}s budget")
     return status
 
@@ -1247,6 +1259,85 @@ def multi_check(args: argparse.Namespace, env: dict[str, str]) -> int:
         log("multi: skipped (it needs 2 or more GPUs)")
         return 0
     return done.returncode
+
+
+OFFLOAD_STEPS = 3  # timed steps per optimizer, after a warm one
+
+
+def offload_check(args: argparse.Namespace, machine: dict[str, Any], command: str) -> int:
+    """One training step's time and peak GPU memory with oomguard's host-offloaded AdamW and
+    with torchao's CPUOffloadOptimizer, on the same model from the same weights; written to
+    gpu-offload.md/json (gpu-dry-run-offload.* with --dry-run)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from oomguard.jobs.memory_cap import HostMemory
+    from oomguard.jobs.optimizers import build_optimizer
+    from oomguard.strategies.plan import Plan
+
+    config = TINY_UNET if args.dry_run else SD15_UNET
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    torch.manual_seed(0)
+    model = UNet2DConditionModel(**{k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}).to(device)
+    initial = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    size = config["sample_size"]
+    latents = torch.randn(1, 4, size, size, device=device)
+    text = torch.randn(1, 77, config["cross_attention_dim"], device=device)
+    timesteps = torch.tensor([500], device=device)
+
+    def oomguard_offload() -> Any:
+        return build_optimizer(Plan.initial(1).replace(offload="optimizer"), model, 1e-5, 1e-2, HostMemory())
+
+    def torchao_offload() -> Any:
+        from torchao.optim import CPUOffloadOptimizer
+
+        return CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=1e-5, weight_decay=1e-2)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    rows: list[dict[str, Any]] = []
+    for name, make in (("oomguard offload (HostOffloadedOptimizer)", oomguard_offload), ("torchao CPUOffloadOptimizer", torchao_offload)):
+        if name.startswith("torchao") and device.type != "cuda":
+            rows.append({"optimizer": name, "skipped": "torchao's CPUOffloadOptimizer asserts CUDA or XPU ('CPU Offload currently only supports CUDA & XPU')"})
+            continue
+        model.load_state_dict(initial)
+        optimizer = make()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for step in range(1 + OFFLOAD_STEPS):
+            sync()
+            began = time.perf_counter()
+            noise = model(latents, timesteps, encoder_hidden_states=text).sample
+            torch.nn.functional.mse_loss(noise, latents).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+            times.append(time.perf_counter() - began)
+        peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+        step_s = statistics.median(times[1:])
+        rows.append({"optimizer": name, "step_s": step_s, "steps_per_s": 1 / step_s, "first_step_s": times[0], "peak_allocated_bytes": peak})
+        log(f"offload: {name}: {step_s * 1000:.0f} ms a step (first {times[0]:.1f} s)" + (f", peak {peak / 2**30:.2f} GiB" if peak is not None else ""))
+        del optimizer
+    label = "tiny UNet2DConditionModel, batch 1" if args.dry_run else "SD 1.5 UNet2DConditionModel, batch 1"
+    summary = {"machine": machine, "command": command, "model": label, "timed_steps": OFFLOAD_STEPS, "results": rows}
+    stem = "gpu-dry-run-offload" if args.dry_run else "gpu-offload"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    lines = [f"# Optimizer offload: oomguard's against torchao's ({summary['model']})", "",
+             f"Measured {machine['date']} on {machine['gpu'] or 'the CPU'}, torch {machine['torch']}: `{command}`", "",
+             "| optimizer | step (median of %d) | first step | peak allocated |" % OFFLOAD_STEPS, "|---|---|---|---|"]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['optimizer']} | skipped: {row['skipped']} | | |")
+        else:
+            peak = f"{row['peak_allocated_bytes'] / 2**30:.2f} GiB" if row["peak_allocated_bytes"] is not None else "-"
+            lines.append(f"| {row['optimizer']} | {row['step_s'] * 1000:.0f} ms | {row['first_step_s']:.1f} s | {peak} |")
+    (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    return 0
 
 
 def t2i_options(args: argparse.Namespace, machine: dict[str, Any], command: str, env: dict[str, str]) -> Any:

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Graded pairs of the ladder benchmark: jobs a little over their cap, where a finer rung can
 land at the cap instead of paying for whole-block checkpointing or smaller micro-batches: a
-checkpointing grade (feed-forward layers only, every second block), or the optimizer step
-inside backward (no full set of gradients) when the model's state dominates.
+checkpointing grade (feed-forward layers only, every second block), the optimizer step
+inside backward (no full set of gradients) when the model's state dominates, or a fraction of
+the blocks kept in host memory (layer offload) against the optimizer offload.
 
 1. Sweep. Every plan the job's allowed rungs reach (``planner.candidate_plans`` over the
    micro-batch, the three checkpointing grades and, for the state-bound job, the step in
@@ -17,8 +18,9 @@ inside backward (no full set of gradients) when the model's state dominates.
    defaults (the probe on). From its record: every OOM, the plan it ended on, and that plan's
    swept speed against the oracle's and the best on/off plan's.
 
-Run alone with ``.venv/bin/python bench/graded_pairs.py`` (about 10 minutes on 2 cores);
-``make bench`` runs it inside bench/ladder.py.
+Run alone with ``.venv/bin/python bench/graded_pairs.py`` (about 17 minutes on 2 cores);
+``make bench`` runs it inside bench/ladder.py. ``--jobs NAME ...`` runs only those jobs' pairs
+and writes graded_pairs-NAME.json and .md beside the full results.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ from pair_runs import fmt, landed, pair_medians, run_oomguard, sweep, sweep_summ
 # they cost there (bench/gpu_check.py measures on a GPU).
 GRADES = ("micro_batch", "checkpoint_ff", "checkpoint_alternate", "checkpointing")
 STATE = ("micro_batch", "checkpoint_alternate", "checkpointing", "fused_backward")
+# Layer offload against its on/off neighbour, the optimizer offload (both exact, both move state
+# to the host). On this CPU the host is the device: neither pays for its copies, which on a GPU
+# cross PCIe; layer offload still pays FSDP's per-block work.
+LAYERS = ("micro_batch", "checkpointing", "offload", "layer_offload")
 
 
 @dataclass(frozen=True)
@@ -96,8 +102,21 @@ def state_job() -> Job:
     )
 
 
+def layers_job() -> Job:
+    return Job(
+        "layers-unet",
+        "UNet2DModel 32/64 channels at 16 px, batch 4 (weights, gradients and AdamW state are 10 MiB of its 14); micro-batch, checkpointing, optimizer offload, layer offload",
+        'name = "layers-unet"\ntrainer = "unconditional"\n[data]\nsource = "synthetic:16"\nresolution = 16\n'
+        '[model]\nblock_out_channels = [32, 64]\nlayers_per_block = 1\n'
+        'down_block_types = ["DownBlock2D", "DownBlock2D"]\nup_block_types = ["UpBlock2D", "UpBlock2D"]\nnorm_num_groups = 8\n'
+        "[train]\nbatch_size = 4\nmax_steps = 8\nlearning_rate = 1e-3\nseed = 0\ncheckpoint_every_steps = 4\n",
+        allow=LAYERS,
+    )
+
+
 PAIRS = (
     Pair("attn-unet", 0.92), Pair("attn-unet", 0.85), Pair("t2i-sd", 0.92), Pair("t2i-sd", 0.85), Pair("state-unet", 0.96), Pair("state-unet", 0.93),
+    Pair("layers-unet", 0.70), Pair("layers-unet", 0.46), Pair("layers-unet", 0.43), Pair("layers-unet", 0.42), Pair("layers-unet", 0.40),
 )
 
 
@@ -111,13 +130,13 @@ def with_ladder(job: Job) -> str:
 
 def graded(plan: dict[str, Any]) -> bool:
     """Whether a plan (as a dict) takes one of the finer rungs (a partial checkpointing grade,
-    the step in backward): every other plan is on/off."""
+    the step in backward, a fraction of the blocks on the host): every other plan is on/off."""
     from oomguard.strategies.plan import Plan
-    from oomguard.strategies.rungs import fused_backward
+    from oomguard.strategies.rungs import fused_backward, layer_offload
     from oomguard.strategies.rungs.checkpoint_grades import grade
 
     plan = Plan.from_dict(plan)
-    return grade(plan) in ("ff", "alternate") or fused_backward.on(plan)
+    return grade(plan) in ("ff", "alternate") or fused_backward.on(plan) or layer_offload.on(plan)
 
 
 def fastest(measured: dict[str, dict[str, Any]], cap: int, *, grades: bool) -> str | None:
@@ -125,13 +144,17 @@ def fastest(measured: dict[str, dict[str, Any]], cap: int, *, grades: bool) -> s
     return max(fitting, key=lambda label: fitting[label]["samples_per_s"]) if fitting else None
 
 
-def measure(scratch: Path) -> dict[str, Any]:
-    """Every pair: the sweep, the oracle, the best on/off plan and what oomguard did."""
+JOBS = {"attn-unet": unconditional_job, "t2i-sd": text_to_image_job, "state-unet": state_job, "layers-unet": layers_job}
+
+
+def measure(scratch: Path, names: tuple[str, ...] = tuple(JOBS)) -> dict[str, Any]:
+    """Every pair of the jobs ``names``: the sweep, the oracle, the best on/off plan and what
+    oomguard did."""
     from oomguard.jobs.spec import parse_job_text
     from oomguard.strategies import planner
 
     scratch.mkdir(parents=True, exist_ok=True)
-    jobs = {job.name: job for job in (unconditional_job(), text_to_image_job(), state_job())}
+    jobs = {name: JOBS[name]() for name in names}
     sweeps = {}
     for name, job in jobs.items():
         spec = parse_job_text(with_ladder(job), f"<{name}.toml>", base_dir=scratch)
@@ -139,6 +162,8 @@ def measure(scratch: Path) -> dict[str, Any]:
         sweeps[name] = {"own": spec.initial_plan().short(), "plans": sweep(name, spec, planner.candidate_plans(spec.initial_plan(), allow), scratch, log)}
     rows = []
     for n, pair in enumerate(PAIRS, 1):
+        if pair.job not in jobs:
+            continue
         job, measured = jobs[pair.job], sweeps[pair.job]["plans"]
         cap = int(measured[sweeps[pair.job]["own"]]["peak_bytes"] * pair.share)
         oracle, on_off = fastest(measured, cap, grades=True), fastest(measured, cap, grades=False)
@@ -167,12 +192,13 @@ def medians(result: dict[str, Any]) -> dict[str, Any]:
 def markdown_section(result: dict[str, Any]) -> list[str]:
     m = medians(result)
     out = [
-        "## Finer rungs: checkpointing grades and the step in backward",
+        "## Finer rungs: checkpointing grades, the step in backward, layer offload",
         "",
         "Built-in jobs a little over their cap (bench/graded_pairs.py): the micro-batch, checkpointing of the feed-forward "
-        "layers (`ckpt=ff`), of every second block (`ckpt=1/2`) and of every block (`ckpt`), and for the job whose model state "
-        "dominates the optimizer step inside backward (`fused-bwd`). Activation and optimizer offload are left out: on this "
-        "CPU their copies stay in host memory, nearly free, where a GPU pays PCIe. The cap is a share of the job's own plan's peak. *Oracle*: the "
+        "layers (`ckpt=ff`), of every second block (`ckpt=1/2`) and of every block (`ckpt`), and for the jobs whose model state "
+        "dominates the optimizer step inside backward (`fused-bwd`) or a fraction of the blocks in host memory (`layers@host=F`, "
+        "against the optimizer offload `offload=optimizer`). Activation offload is left out, and the offloads are compared only "
+        "with each other: on this CPU their copies stay in host memory, nearly free, where a GPU pays PCIe. The cap is a share of the job's own plan's peak. *Oracle*: the "
         "fastest swept plan that fits; *on/off*: the fastest that fits without the finer rungs (the ladder before them). Samples/s are the sweep's (wall clock, one thread).",
         "",
         f"Median OOMs to land: **{m['ooms']}**; median samples/s against the oracle: **{fmt(m['fraction_of_oracle'], '.3f')}**; "
@@ -195,18 +221,22 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="where graded_pairs.json and .md go")
+    parser.add_argument("--jobs", nargs="+", choices=tuple(JOBS), help="only these jobs' pairs (written to graded_pairs-NAME.json and .md)")
     args = parser.parse_args()
+    names = tuple(args.jobs) if args.jobs else tuple(JOBS)
+    stem = "graded_pairs" + ("-" + "-".join(names) if args.jobs else "")
+    command = ".venv/bin/python bench/graded_pairs.py" + (" --jobs " + " ".join(names) if args.jobs else "")
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="oomguard-graded-pairs-") as scratch:
-        result = measure(Path(scratch))
+        result = measure(Path(scratch), names)
     minutes = (time.monotonic() - started) / 60
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "graded_pairs.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "graded_pairs.md").write_text(
-        "\n".join(["# Graded pairs", "", f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `.venv/bin/python bench/graded_pairs.py` "
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(
+        "\n".join(["# Graded pairs", "", f"Measured {time.strftime('%Y-%m-%d %H:%M')} with `{command}` "
                    f"(about {minutes:.0f} minutes on 2 cores).", "", *markdown_section(result)[2:]]) + "\n"
     )
-    log(f"wrote {args.out / 'graded_pairs.md'}")
+    log(f"wrote {args.out / f'{stem}.md'}")
     return 0
 
 

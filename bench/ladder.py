@@ -1163,7 +1163,7 @@ def update_readme(summary: dict[str, Any]) -> None:
         c = graded_pairs.medians(summary["graded_pairs"])
         lines += [
             "",
-            f"Finer rungs (bench/graded_pairs.py: checkpointing grades and the step in backward, jobs a little over their cap): median {c['ooms']} OOM to land over {c['pairs']} pairs, "
+            f"Finer rungs (bench/graded_pairs.py: checkpointing grades, the step in backward, layer offload, jobs a little over their cap): median {c['ooms']} OOM to land over {c['pairs']} pairs, "
             f"median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s (the grades included), {c['finished']} of {c['pairs']} finished; "
             f"in {c['graded_wins']} pairs a finer rung's plan is the fastest that fits and beats the best on/off plan.",
         ]

@@ -408,7 +408,10 @@ class Attempts:
         for change in changes[reported:]:
             old, new = Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
             what = f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: "
-            if isinstance(change.get("oom"), str):
+            if "bucket" in change:
+                # One aspect-ratio bucket's spike: the plan stays, that bucket's slices shrink.
+                what = f"at step {change['step']}, in the runner: {change.get('oom')} -> {change['reason']}; resumed at step {change['step']} in the same process"
+            elif isinstance(change.get("oom"), str):
                 # An OOM the runner recovered from itself: what ran out, what changed, and that
                 # training went on, in words (the daemon's log is what people read).
                 where = "a new process goes on from the checkpoint" if change.get("restart") else "resumed"

@@ -114,8 +114,11 @@ def _storage(t: Any) -> torch.UntypedStorage | None:
     if type(t) is not torch.Tensor and is_traceable_wrapper_subclass(t):  # the common case first: a plain tensor
         # A sharded model's DTensor: its memory is its local shard's. Ops on it run inside the
         # subclass, out of this mode's sight, so its outputs are counted here by their shard.
-        inner, _ = t.__tensor_flatten__()
-        return _storage(getattr(t, inner[0])) if len(inner) == 1 else None
+        # Its flattened attributes name the local tensor, and from torch 2.13 the device mesh
+        # too (not a tensor): the one tensor among them holds the memory.
+        names, _ = t.__tensor_flatten__()
+        inner = [value for name in names if isinstance(value := getattr(t, name), torch.Tensor)]
+        return _storage(inner[0]) if len(inner) == 1 else None
     try:
         return t.untyped_storage()
     except RuntimeError:  # wrapper tensor subclasses without a storage of their own

@@ -51,6 +51,7 @@ from oomguard.jobs.training import (
     oom_measurement,
     unfit_to_continue,
 )
+from oomguard.strategies.bucket_spike import bucket_micro_batch, describe as describe_bucket_limit
 from oomguard.strategies.contention import find_contention
 from oomguard.strategies.doctor import decide_in_process, describe_oom
 from oomguard.strategies.memory_model import Measurement, MemoryModel
@@ -154,6 +155,11 @@ class AttemptRun:
         self.step_ups = StepUps(config.step_up, origin=self.job.initial_plan(), in_process=config.recover_in_process)
         # The plan a replan goes on under, once recorded (jobs/step_ups.py).
         self.replanned_to: Plan | None = None
+        # Aspect-ratio buckets (a step's size differs by bucket): the buckets stepped under each
+        # plan, and the smaller micro-batch of each bucket whose spike ran out where the others
+        # fit (strategies/bucket_spike.py). Learnt in this process.
+        self.buckets_fit: dict[Plan, set[tuple[int, int]]] = {}
+        self.bucket_micro: dict[tuple[int, int], int] = {}
 
     def say(self, text: str) -> None:
         if self.ranks.main:  # the ranks agree: one of them speaks for all
@@ -179,7 +185,16 @@ class AttemptRun:
     def oom_outcome(self, error: torch.OutOfMemoryError) -> Outcome:
         figures = self.memory.oom_figures(str(error))
         self.measurements.append(oom_measurement(self.current_plan(), figures, self.training, self.progress.step))
-        return Outcome(kind="oom", step=self.progress.step, phase=self.control.phase, memory=figures, message=str(error))
+        bucket, shape = self._bucket(), None
+        if bucket is not None:
+            plan = self.current_plan()
+            shape = (min(self.bucket_micro.get(bucket, plan.micro_batch), plan.per_rank_batch), bucket[1], bucket[0])
+        return Outcome(kind="oom", step=self.progress.step, phase=self.control.phase, memory=figures, message=str(error), batch_shape=shape)
+
+    def _bucket(self) -> tuple[int, int] | None:
+        """The current step's bucket as (width, height), when steps differ in size."""
+        bucket = self.trainer.step_bucket(self.progress.step)
+        return (bucket.width, bucket.height) if bucket is not None else None
 
     # -- start: probe, build, resume ---------------------------------------------------------
 
@@ -302,8 +317,9 @@ class AttemptRun:
         assert self.training is not None
         self.memory.begin_step(self.progress.step)
         self.memory.reset_peak()
+        bucket = self._bucket()
         try:
-            return one_step(self.trainer, self.training, self.progress.step, self.memory, self.control)
+            return one_step(self.trainer, self.training, self.progress.step, self.memory, self.control, self.bucket_micro.get(bucket) if bucket else None)
         except torch.OutOfMemoryError as error:
             # Keep only numbers and text: the traceback holds the step's tensors, and they
             # must be freed (when this returns) before anything else is allocated.
@@ -329,6 +345,11 @@ class AttemptRun:
             return self._end_on_oom(oom)
         if change.get("restart"):
             return self.replan(change, after=oom)
+        if "bucket" in change:
+            # The plan stays; one bucket's steps go in smaller slices (announced when chosen).
+            self.recoveries.append(change)
+            self.bucket_micro[tuple(change["bucket"])] = change["bucket_micro_batch"]
+            return None
         # A rung's change was announced as it was chosen; a step up's way back is now.
         self._change_plan(change, announce="direction" in change)
         return None
@@ -362,6 +383,9 @@ class AttemptRun:
             return None
         if oom.phase not in IN_PROCESS_PHASES or not self.config.recover_in_process or len(self.recoveries) >= MAX_RECOVERIES:
             return None
+        spike = self._bucket_spike(oom)
+        if spike is not None:
+            return spike
         total = oom.memory.total if oom.memory else None
         recovery = decide_in_process(training.plan, self.measurements + _steady(self.records), self.job.policy(), total)
         if recovery is None:
@@ -370,6 +394,26 @@ class AttemptRun:
         return {
             "step": self.progress.step, "from": training.plan.to_dict(), "to": recovery.plan.to_dict(), "reason": recovery.reason,
             "oom": describe_oom(oom),
+        }
+
+    def _bucket_spike(self, oom: Outcome) -> dict[str, Any] | None:
+        """The change for an OOM that is its bucket's own (strategies/bucket_spike.py): that
+        bucket's steps in smaller micro-batches, the plan unchanged; None when it is not."""
+        training, bucket = self.training, self._bucket()
+        assert training is not None
+        if bucket is None:
+            return None
+        plan = training.plan
+        micro = min(self.bucket_micro.get(bucket, plan.micro_batch), plan.per_rank_batch)
+        smaller = bucket_micro_batch(bucket, self.buckets_fit.get(plan, set()), micro, plan.micro_batch_choices())
+        if smaller is None:
+            return None
+        reason = describe_bucket_limit(bucket, micro, smaller, plan.micro_batch)
+        self.say(f"out of memory in {oom.phase} at step {self.progress.step}; {reason}")
+        # "for_room": False: the plan was not left, so there is nothing to step back up to.
+        return {
+            "step": self.progress.step, "from": plan.to_dict(), "to": plan.to_dict(), "reason": reason, "oom": describe_oom(oom),
+            "bucket": list(bucket), "bucket_micro_batch": smaller, "for_room": False,
         }
 
     def replan(self, change: dict[str, Any], after: Outcome | None = None) -> Outcome:
@@ -399,6 +443,9 @@ class AttemptRun:
         assert training is not None
         self.steps_in_process += 1
         samples_per_s = self.job.train.batch_size / result.seconds
+        bucket = self._bucket()
+        if bucket is not None:
+            self.buckets_fit.setdefault(training.plan, set()).add(bucket)
         if self.steps_in_process > 1:
             record = self.records.setdefault(training.plan, PlanRecord())
             record.peaks.append(self.memory.peak_bytes() or 0)

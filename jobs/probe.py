@@ -62,12 +62,15 @@ def measure(
     training: Training | None = None
     ran: Measurement | None = None
     oom: Outcome | None = None
+    # The batch of the most pixels (the largest aspect-ratio bucket), so that the plan chosen
+    # fits every step, not only the first.
+    step = trainer.heaviest_step()
     try:
         training = build_training(trainer, job, plan, device, memory, ranks=ranks)
         for _ in range(warm_steps):
-            one_step(trainer, training, 0, memory, control)
+            one_step(trainer, training, step, memory, control)
         memory.reset_peak()
-        result = one_step(trainer, training, 0, memory, control)
+        result = one_step(trainer, training, step, memory, control)
         ran = Measurement(
             plan=plan,
             fits=True,

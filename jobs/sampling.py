@@ -158,7 +158,7 @@ def render_samples(
     from diffusers import DDIMScheduler
 
     scheduler = DDIMScheduler.from_config(trainer.noise_scheduler.config)
-    size = trainer.latent_size
+    size = trainer.job.data.resolution // trainer.vae_factor
     rendered = []
     was_training = model.training
     model.eval()

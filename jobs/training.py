@@ -20,6 +20,7 @@ import torch
 from oomguard.jobs.attempt import Control
 from oomguard.jobs.ema import EmaWeights
 from oomguard.jobs.fused_backward import FusedBackwardOptimizer
+from oomguard.jobs.layer_offload import held_bytes, held_on_host
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.optimizers import build_optimizer, device_state_tensors
 from oomguard.jobs.rank_group import RankGroup
@@ -76,12 +77,19 @@ class Training:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    def on_device(self, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """What of ``tensors`` this rank holds on its device: a sharded model's shards as it
+        holds them (``local``); an unsharded model's blocks held on the host (layer offload) left out."""
+        if self.shards is not None:
+            return local(tensors)
+        return [t for t in tensors if not held_on_host(t)]
+
     def device_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The consumers of device memory, for the OOM breakdown."""
         return {
-            "parameters": local(self.model.parameters()),
-            "gradients": local(p.grad for p in self.model.parameters() if p.grad is not None),
-            "optimizer_state": local(device_state_tensors(self.optimizer)),
+            "parameters": self.on_device(self.model.parameters()),
+            "gradients": self.on_device(p.grad for p in self.model.parameters() if p.grad is not None),
+            "optimizer_state": self.on_device(device_state_tensors(self.optimizer)),
             "frozen": self.frozen(),
             "ema": self.ema.device_tensors() if self.ema is not None else [],
         }
@@ -98,12 +106,16 @@ class Training:
         # A sharded model's parameters are DTensors: their numel is the whole tensor's (the
         # trained share is of the whole model).
         trainable = [p for p in self.model.parameters() if p.requires_grad]
-        whole = {WHOLE_MODEL_BYTES: sum(p.numel() * p.element_size() for p in self.model.parameters())} if self.shards is not None else {}
+        parameters = self.on_device(self.model.parameters())
+        partial = self.shards is not None or len(parameters) < len(list(self.model.parameters()))
+        whole = {WHOLE_MODEL_BYTES: sum(p.numel() * p.element_size() for p in self.model.parameters())} if partial else {}
         return {
             **whole,
-            "parameters": total(local(self.model.parameters())),
+            # What each grade of layer offload would keep on the host (strategies/rungs/layer_offload.py).
+            **(held_bytes(self.model) if self.shards is None else {}),
+            "parameters": total(parameters),
             "trainable": sum(p.numel() * p.element_size() for p in trainable),
-            "optimizer_state": total(local(device_state_tensors(self.optimizer))),
+            "optimizer_state": total(self.on_device(device_state_tensors(self.optimizer))),
             "frozen": total(self.frozen()),
             **{f"{FROZEN_SIZE_PREFIX}{part}": size for part, size in self.frozen_sizes().items()},
             **({"ema": total(self.ema.device_tensors()), EMA_SIZE: self.ema.nbytes()} if self.ema is not None else {}),
@@ -112,7 +124,7 @@ class Training:
     def resident_bytes(self) -> int:
         """What should stay on the device between steps: parameters, buffers, the optimizer's
         device state, the frozen parts and the EMA (gradients are dropped after every step)."""
-        tensors = local([*self.model.parameters(), *self.model.buffers(), *device_state_tensors(self.optimizer), *self.frozen()])
+        tensors = self.on_device([*self.model.parameters(), *self.model.buffers(), *device_state_tensors(self.optimizer), *self.frozen()])
         if self.ema is not None:
             tensors += self.ema.device_tensors()
         return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
@@ -193,12 +205,14 @@ def build_training(
     trainer.place_frozen(plan, device, memory)
     shards = None
     if ranks.solo:
-        model = model.to(device)
+        # A rung may keep part of the model in host memory and move the rest itself.
+        if not rungs.keep_on_host(plan, model, device, memory):
+            model = model.to(device)
     else:
         with memory.paused():
             model = model.to(device) if (shards := rungs.shard_model(plan, model, ranks.mesh(device))) is None else model
     if shards != "host":
-        memory.move_in(local(model.parameters()))
+        memory.move_in(local(p for p in model.parameters() if shards is not None or not held_on_host(p)))
     rungs.configure_model(plan, model)
     optimizer = build_optimizer(plan, model, job.train.learning_rate, job.train.weight_decay, memory)
     if isinstance(optimizer, FusedBackwardOptimizer):
@@ -337,9 +351,12 @@ class StepResult:
     seconds: float
 
 
-def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemory, control: Control) -> StepResult:
-    """One optimizer step over the whole effective batch, in micro-batches: this rank's share of
-    it (all of it for a single process), the gradients averaged over the ranks."""
+def one_step(
+    trainer: Trainer, training: Training, step: int, memory: DeviceMemory, control: Control, micro_batch: int | None = None
+) -> StepResult:
+    """One optimizer step over the whole effective batch, in micro-batches (the plan's, or
+    ``micro_batch``): this rank's share of it (all of it for a single process), the gradients
+    averaged over the ranks."""
     plan, model, ranks = training.plan, training.model, training.ranks
     started = time.perf_counter()
     control.phase = "data"
@@ -349,7 +366,7 @@ def one_step(trainer: Trainer, training: Training, step: int, memory: DeviceMemo
     total = 0.0
     # This rank's share: samples rank * share .. (rank + 1) * share - 1 of the step's batch.
     start = ranks.rank * plan.per_rank_batch
-    for size in plan.micro_batch_sizes():
+    for size in plan.micro_batch_sizes(micro_batch):
         control.phase = "forward"
         with training.autocast(), rungs.saved_activations(plan, memory, model):
             loss = trainer.slice_loss(model, inputs, start, start + size, training.device)

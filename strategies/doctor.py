@@ -59,6 +59,9 @@ MACHINE_TROUBLE = re.compile(r"No space left on device|Disk quota exceeded|Input
 def describe_oom(outcome: Outcome) -> str:
     where = f"in {outcome.phase}" if outcome.phase else ""
     text = f"out of memory {where} at step {outcome.step}".replace("  ", " ")
+    if outcome.batch_shape is not None:
+        samples, height, width = outcome.batch_shape
+        text += f" (a micro-batch of {samples} at {width}x{height} px)"
     memory = outcome.memory
     if memory is not None:
         text += (

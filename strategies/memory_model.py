@@ -169,12 +169,16 @@ class MemoryModel:
         self._frozen_sizes: dict[str, float] = {}
         self._trained_share = 1.0
         self._ema_size = 0.0
+        # The static figures of the last measurement that named the model's size (what a rung
+        # keeps on the host is read there: MemoryTerms.state_on_host_key).
+        self._measured_static: dict[str, int] = {}
         for m in self.measurements:
             full = full_parameter_bytes(shape_of(m.plan), m.static)
             if full is not None:
                 self._full_parameters = full
                 self._frozen_sizes = frozen_sizes(m.static)
                 self._ema_size = float(m.static.get(EMA_SIZE, 0))
+                self._measured_static = m.static
                 if first_given(t.adapter_share for t in terms_of(m.plan)) is None and m.static.get("trainable") is not None and full > 0:
                     self._trained_share = min(1.0, m.static["trainable"] / full)
         for shape in dict.fromkeys(shape_of(m.plan) for m in self.measurements):  # in measured order, not hash order
@@ -188,7 +192,7 @@ class MemoryModel:
     def _static(self, shape: Plan) -> StaticBytes | None:
         if self._full_parameters is None:
             return None
-        return static_bytes(shape, self._full_parameters, self._frozen_sizes, self._trained_share, self._ema_size)
+        return static_bytes(shape, self._full_parameters, self._frozen_sizes, self._trained_share, self._ema_size, self._measured_static)
 
     def _fit(self, shape: Plan) -> Line | None:
         runs = [m for m in self.measurements if m.fits and shape_of(m.plan) == shape]

@@ -139,6 +139,9 @@ class Outcome:
     disk_budget: int | None = None
     # "replan": the plan the next attempt runs under.
     next_plan: Plan | None = None
+    # An OOM in a step of a job whose steps differ in size (aspect-ratio buckets): the
+    # micro-batch in flight as (samples, height, width) in pixels; None where all are alike.
+    batch_shape: tuple[int, int, int] | None = None
 
     @property
     def moved(self) -> bool:
@@ -192,6 +195,7 @@ class Outcome:
                 "next_plan": Plan.from_dict(next_plan) if next_plan else None,
                 "measurements": tuple(Measurement.from_dict(m) for m in data.get("measurements") or ()),
                 "recoveries": tuple(data.get("recoveries") or ()),
+                "batch_shape": tuple(data["batch_shape"]) if data.get("batch_shape") else None,
             }
         )
 
@@ -270,6 +274,9 @@ def _check_types(data: dict[str, Any]) -> None:
     for key in ("step", "exit_code", "resumed_from", "host_memory_limit", "time_limit_without_checkpoint", "disk_needed", "disk_free", "disk_budget"):
         if data.get(key) is not None and not _is_int(data[key]):
             raise TypeError(f"{key} must be an integer, not {_shown(data[key])}")
+    shape = data.get("batch_shape")
+    if shape is not None and not (isinstance(shape, (list, tuple)) and len(shape) == 3 and all(_is_int(n) and n > 0 for n in shape)):
+        raise TypeError(f"batch_shape must be three positive integers (samples, height, width), not {_shown(shape)}")
     for key in ("host_memory_limit", "time_limit_without_checkpoint"):
         if data.get(key) is not None and data[key] <= 0:
             raise ValueError(f"{key} must be positive, not {_shown(data[key])}")

@@ -14,7 +14,7 @@ from typing import Any, Literal
 Attention = Literal["default", "sliced"]
 Offload = Literal["none", "optimizer", "params"]
 MixedPrecision = Literal["no", "bf16", "fp16"]
-Optimizer = Literal["adamw", "adamw8bit"]
+Optimizer = Literal["adamw", "adamw8bit", "adamw4bit"]
 BaseQuantization = Literal["int8", "nf4"]
 
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -90,10 +90,12 @@ class Plan:
             return [size for size in range(1, batch + 1) if batch % size == 0]
         return sorted({-(-batch // slices) for slices in range(1, batch + 1)})
 
-    def micro_batch_sizes(self) -> list[int]:
-        """The slice sizes of one rank's batch, e.g. batch 10, micro 4 -> [4, 4, 2]."""
-        full, rest = divmod(self.per_rank_batch, self.micro_batch)
-        return [self.micro_batch] * full + ([rest] if rest else [])
+    def micro_batch_sizes(self, micro_batch: int | None = None) -> list[int]:
+        """The slice sizes of one rank's batch, e.g. batch 10, micro 4 -> [4, 4, 2]; at
+        ``micro_batch`` instead of the plan's when given (a bucket's own: strategies/bucket_spike.py)."""
+        micro = min(micro_batch or self.micro_batch, self.per_rank_batch)
+        full, rest = divmod(self.per_rank_batch, micro)
+        return [micro] * full + ([rest] if rest else [])
 
     def replace(self, **changes: Any) -> Plan:
         return dataclasses.replace(self, **changes)

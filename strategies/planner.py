@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from oomguard.strategies import rungs
 from oomguard.strategies.memory_model import MemoryModel, time_factor
 from oomguard.strategies.plan import Plan
+from oomguard.strategies.rungs.base import Rung
 from oomguard.strategies.units import format_bytes
 
 
@@ -35,7 +36,14 @@ class Choice:
 
 def rungs_between(old: Plan, new: Plan) -> tuple[str, ...]:
     """The rungs (ladder order) whose knobs differ between two plans."""
-    return tuple(r.name for r in rungs.ladder() if r.get(old) != r.get(new))
+    return tuple(r.name for r in rungs.ladder() if r.get(old) != r.get(new) and (r.is_on(old) or r.is_on(new)))
+
+
+def _changed(r: Rung, old: Plan, new: Plan) -> bool:
+    """Whether rung ``r`` differs between two plans: its knob does, and it is on in one of them
+    (rungs that share a knob, optimizer_8bit and optimizer_4bit, each own one value of it).
+    Written out in rungs_between, which the planner asks of every candidate."""
+    return r.get(old) != r.get(new) and (r.is_on(old) or r.is_on(new))
 
 
 def with_process_settings(plan: Plan, source: Plan) -> Plan:
@@ -49,7 +57,7 @@ def with_process_settings(plan: Plan, source: Plan) -> Plan:
 
 def describe_change(old: Plan, new: Plan) -> str:
     """What changed from ``old`` to ``new``, in words, rung by rung (ladder order)."""
-    return "; ".join(r.describe(old, new) for r in rungs.ladder() if r.get(old) != r.get(new))
+    return "; ".join(r.describe(old, new) for r in rungs.ladder() if _changed(r, old, new))
 
 
 def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) -> list[Plan]:
@@ -73,7 +81,10 @@ def candidate_plans(start: Plan, allow: Iterable[str], *, restart: bool = True) 
             if r.chained and not all(earlier.is_on(plan) for earlier in chain[: chain.index(r)]):
                 continue
             new = r.step(plan)
-            if new is not None and new not in shapes:
+            # A shape no runner can run is not walked on from either: steps only turn knobs on
+            # or deeper, so nothing beyond it resolves its conflict that another path misses
+            # (and the layer offload grades would multiply such dead ends).
+            if new is not None and new not in shapes and rungs.conflict(new) is None:
                 shapes.add(new)
                 frontier.append(new)
     # A combination the runner cannot run (sharding with LoRA, say) is no candidate; nor is a
@@ -98,7 +109,7 @@ def _order(plan: Plan) -> tuple[str, ...]:
 def faithfulness(start: Plan, plan: Plan) -> int:
     """0 for a plan that only takes exact rungs; else 1 + the ladder position of its most
     invasive approximate rung (precision < 8-bit optimizer < LoRA < quantized base)."""
-    approximate = [index for index, r in enumerate(rungs.ladder()) if not r.exact and r.get(start) != r.get(plan)]
+    approximate = [index for index, r in enumerate(rungs.ladder()) if not r.exact and _changed(r, start, plan)]
     return 1 + max(approximate) if approximate else 0
 
 

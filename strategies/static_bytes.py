@@ -93,13 +93,16 @@ def frozen_on_device(shape: Plan, sizes: dict[str, float]) -> float:
 
 
 def static_bytes(
-    shape: Plan, full_parameters: float, frozen: dict[str, float] | None = None, trained_share: float = 1.0, ema: float = 0.0
+    shape: Plan, full_parameters: float, frozen: dict[str, float] | None = None, trained_share: float = 1.0, ema: float = 0.0,
+    measured: dict[str, int] | None = None,
 ) -> StaticBytes:
     """What parameters, gradients, optimizer state, the frozen parts (``frozen``: each part's
     full-precision bytes) and the average of the trained weights (``ema``: its bytes) of
     ``shape`` take on the device. ``trained_share``: the share of the model's parameters the
     job itself trains (a text-to-image LoRA job's adapters: a few per cent), when no rung froze
-    them. The average is of the job's own trained weights, whatever a rung trains instead."""
+    them. The average is of the job's own trained weights, whatever a rung trains instead.
+    ``measured``: a run's static figures, where a rung's terms find the bytes it keeps on the
+    host (MemoryTerms.state_on_host_key)."""
     terms = terms_of(shape)
     adapter_share = first_given(t.adapter_share for t in terms)
     if adapter_share is None:
@@ -114,12 +117,27 @@ def static_bytes(
     on_device = all(t.optimizer_on_device for t in terms)
     optimizer = trainable * (per_byte if per_byte is not None else ADAMW_STATE_PER_PARAMETER_BYTE) if on_device else 0.0
     casts = parameters * sum(t.cast_share for t in terms)
-    # Sharding: each rank keeps its share of each (1.0 without).
+    kept = 1.0 - on_host_share(terms, full_parameters, measured or {})
+    # Sharding: each rank keeps its share of each (1.0 without); layer offload keeps a share of
+    # all three on the host.
     return StaticBytes(
-        parameters=parameters * math.prod(t.parameter_share for t in terms),
-        gradients=trainable * math.prod(t.gradient_share for t in terms),
-        optimizer_state=optimizer * math.prod(t.optimizer_share for t in terms),
+        parameters=parameters * math.prod(t.parameter_share for t in terms) * kept,
+        gradients=trainable * math.prod(t.gradient_share for t in terms) * kept,
+        optimizer_state=optimizer * math.prod(t.optimizer_share for t in terms) * kept,
         casts=casts,
         frozen=frozen_on_device(shape, frozen or {}),
         ema=ema if all(t.ema_on_device for t in terms) else 0.0,
     )
+
+
+def on_host_share(terms: list[MemoryTerms], full_parameters: float, measured: dict[str, int]) -> float:
+    """The share of the model's weights (with their gradients and optimizer state) that the
+    rungs of ``terms`` keep in host memory: what a run measured for it, else the rung's estimate."""
+    share = 0.0
+    for t in terms:
+        key = t.state_on_host_key
+        if key is not None and key in measured and full_parameters > 0:
+            share += measured[key] / full_parameters
+        else:
+            share += t.state_on_host
+    return min(1.0, max(0.0, share))

@@ -120,7 +120,7 @@ SECTION_KEYS: dict[str | None, tuple[str, ...]] = {
 # [train] keys only the text-to-image trainer reads.
 TEXT_TO_IMAGE_TRAIN_KEYS = ("noise_offset", "snr_gamma", "sample_every_steps", "sample_prompts", "sample_inference_steps")
 _TEXT_TO_IMAGE_KEYS: dict[str | None, tuple[str, ...]] = {
-    "data": ("source", "resolution", "center_crop", "random_flip", "caption_column"),
+    "data": ("source", "resolution", "center_crop", "random_flip", "caption_column", "buckets", "bucket_no_upscale"),
     "model": ("path", "method", "lora_rank", "lora_alpha", "target_modules"),
     "train": (*_TRAIN_KEYS, *TEXT_TO_IMAGE_TRAIN_KEYS),
 }

@@ -42,19 +42,27 @@ SDXL_PARTS: dict[str, str] = {"text_encoder_2": "config.json", "tokenizer_2": "t
 class CaptionedDataSpec:
     """A folder of images with captions, and how each image becomes a training sample: its
     shorter side resized to ``resolution``, then cropped square (in the centre, or at a place
-    drawn per step) and flipped left-right half of the time when ``random_flip``."""
+    drawn per step) and flipped left-right half of the time when ``random_flip``. With
+    ``buckets``, resized and cropped to its aspect-ratio bucket instead (jobs/buckets.py), at
+    its own size when smaller than the resolution's area and ``bucket_no_upscale``."""
 
     source: str
     resolution: int
     center_crop: bool = True
     random_flip: bool = False
     caption_column: str = "text"
+    buckets: bool = False
+    bucket_no_upscale: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "source": self.source, "resolution": self.resolution, "center_crop": self.center_crop, "random_flip": self.random_flip,
             "caption_column": self.caption_column,
         }
+        # Only when on: a job stored before buckets existed reads back unchanged.
+        if self.buckets:
+            data.update(buckets=True, bucket_no_upscale=self.bucket_no_upscale)
+        return data
 
 
 @dataclass(frozen=True)
@@ -100,7 +108,7 @@ class PipelineSpec:
 
 def load_data(stored: Mapping[str, Any]) -> CaptionedDataSpec:
     """A stored [data] of this kind, rebuilt without validation (it was validated at intake)."""
-    names = ("source", "resolution", "center_crop", "random_flip", "caption_column")
+    names = ("source", "resolution", "center_crop", "random_flip", "caption_column", "buckets", "bucket_no_upscale")
     return CaptionedDataSpec(**{k: v for k, v in stored.items() if k in names and v is not None})
 
 
@@ -110,9 +118,13 @@ def parse_data(ctx: ReadContext, s: Section) -> CaptionedDataSpec:
     center_crop = s.bool("center_crop", default=True)
     random_flip = s.bool("random_flip", default=False)
     caption_column = s.str("caption_column", default="text")
+    buckets = s.bool("buckets", default=False)
+    no_upscale = s.bool("bucket_no_upscale", default=False)
+    if no_upscale and not buckets:
+        raise s.fail("bucket_no_upscale", "is for aspect-ratio buckets; add data.buckets = true, or remove it")
     if ctx.check_files:
         _check_captions(s, folder, caption_column)
-    return CaptionedDataSpec(str(folder), resolution, center_crop, random_flip, caption_column)
+    return CaptionedDataSpec(str(folder), resolution, center_crop, random_flip, caption_column, buckets, no_upscale)
 
 
 def _check_captions(s: Section, folder: Path, caption_column: str) -> None:

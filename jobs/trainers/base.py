@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from oomguard.jobs.buckets import Bucket
     from oomguard.jobs.memory_cap import DeviceMemory
     from oomguard.strategies.plan import Plan
 
@@ -73,6 +74,16 @@ class Trainer(Protocol):
 
     def frozen_tensors(self) -> list[torch.Tensor]:
         """The frozen parts' tensors on the device now (empty without any)."""
+        ...
+
+    def step_bucket(self, step: int) -> Bucket | None:
+        """The size (an aspect-ratio bucket) step ``step``'s batch has, when steps differ in
+        size; None when every step's batch has the same shape."""
+        ...
+
+    def heaviest_step(self) -> int:
+        """A step whose batch has the most pixels (0 when all are alike): the probe measures
+        there, so that the plan it starts at fits every step."""
         ...
 
     def frozen_sizes(self) -> dict[str, int]:

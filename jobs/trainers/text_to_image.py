@@ -22,6 +22,7 @@ the attempt, and read from disk in each step (jobs/encoding_cache.py).
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from oomguard.jobs.buckets import Bucket, BucketedOrder, assign_bucket, bucket_sizes
 from oomguard.jobs.captions import captioned_images
 from oomguard.jobs.data import SampleOrder, step_generator
 from oomguard.jobs.encoding_cache import CACHE_FOLDER, EncodingCache, folder_digest, key_of
@@ -68,11 +70,13 @@ class TextImageInputs:
 @dataclass(frozen=True)
 class Geometry:
     """Where one sample comes from in its image: the image's size, the size it is resized to
-    (width, height) and the square crop's top-left corner in the resized image."""
+    (width, height), the crop's top-left corner in the resized image and the crop's size (the
+    resolution's square, or the image's bucket)."""
 
     original_size: tuple[int, int]
     resized: tuple[int, int]
     crop_top_left: tuple[int, int]
+    target: Bucket
 
 
 class TextToImageTrainer:
@@ -93,12 +97,39 @@ class TextToImageTrainer:
         self.noise_scheduler = DDPMScheduler.from_pretrained(str(self.pipeline_path), subfolder="scheduler")
         vae = self.frozen.vae.config
         self.latent_channels = vae.latent_channels
-        self.latent_size = job.data.resolution // 2 ** (len(vae.block_out_channels) - 1)
+        self.vae_factor = 2 ** (len(vae.block_out_channels) - 1)
+        # Aspect-ratio buckets: each image's training size; every step draws from one bucket.
+        self.image_buckets: list[Bucket] | None = None
+        self.bucketed: BucketedOrder | None = None
+        if job.data.buckets:
+            step = self._size_step()
+            sizes = bucket_sizes(job.data.resolution, step)
+            self.image_buckets = [assign_bucket(size, sizes, job.data.resolution, step, job.data.bucket_no_upscale) for size in self.sizes]
+            self.bucketed = BucketedOrder(self.image_buckets, job.train.batch_size, job.train.seed)
         # A test's or a benchmark's trainer has no workdir: its caches live as long as it does.
         self.cache_dir = workdir / CACHE_FOLDER if workdir is not None else Path(tempfile.mkdtemp(prefix="oomguard-cache-"))
         self.latent_cache: EncodingCache | None = None
         self.text_cache: EncodingCache | None = None
         self._digests: dict[str, str] = {}
+
+    def _size_step(self) -> int:
+        """The multiple every side must be: the VAE and then the UNet halve the image."""
+        unet = json.loads((self.pipeline_path / "unet" / "config.json").read_text(encoding="utf-8"))
+        return self.vae_factor * 2 ** (len(unet["block_out_channels"]) - 1)
+
+    def _target(self, index: int) -> Bucket:
+        """The size image ``index`` is trained at."""
+        if self.image_buckets is not None:
+            return self.image_buckets[index]
+        return Bucket(self.job.data.resolution, self.job.data.resolution)
+
+    def step_bucket(self, step: int) -> Bucket | None:
+        """The bucket step ``step`` trains on (None: every step has the resolution's square)."""
+        return self.bucketed.batch(step)[0] if self.bucketed is not None else None
+
+    def heaviest_step(self) -> int:
+        """A step whose batch has the most pixels: the probe measures there."""
+        return self.bucketed.first_step_of(self.bucketed.largest()) if self.bucketed is not None else 0
 
     # -- the model ---------------------------------------------------------------------------
 
@@ -163,20 +194,27 @@ class TextToImageTrainer:
         data = self.job.data
         flips = (False, True) if data.random_flip else (False,)
         images = [(str(image.path), image.path.stat().st_size, image.path.stat().st_mtime_ns) for image in self.images]
+        targets = [str(self._target(index)) for index in range(len(self.images))]
         key = key_of({
             "vae": self._digest("vae"), "dtype": str(self.frozen.dtype("vae")), "tiled": self.frozen.handling.encode_tiled,
-            "images": images, "resolution": data.resolution, "flips": flips,
+            "images": images, "resolution": data.resolution, "flips": flips, **({"buckets": targets} if self.bucketed else {}),
         })
         cache = EncodingCache(self.cache_dir, "latents", key)
         if not cache.exists():
-            items = [(index, flip) for index in range(len(self.images)) for flip in flips]
+            # Encoded a size at a time: a chunk stacks images of one size.
+            by_size: dict[str, list[tuple[int, bool]]] = {}
+            for index in range(len(self.images)):
+                by_size.setdefault(targets[index], []).extend((index, flip) for flip in flips)
 
             def encode(batch: list[tuple[int, bool]]) -> torch.Tensor:
                 with memory.paused():
                     pixels = torch.stack([self._pixels(index, self._geometry(index, flip, None), flip) for index, flip in batch])
                 return self.frozen.encode_images(pixels.to(device, copy=True))
 
-            cache.write(_encoded("cache_latents: encoded", items, chunk, encode, memory, lambda item: f"{item[0]}:{int(item[1])}"))
+            encoded: dict[str, torch.Tensor] = {}
+            for items in by_size.values():
+                encoded.update(_encoded("cache_latents: encoded", items, chunk, encode, memory, lambda item: f"{item[0]}:{int(item[1])}"))
+            cache.write(encoded)
         return cache
 
     def _text_embeddings(self, chunk: int, device: torch.device, memory: DeviceMemory) -> EncodingCache:
@@ -200,9 +238,12 @@ class TextToImageTrainer:
 
     def step_inputs(self, step: int) -> TextImageInputs:
         batch, data = self.job.train.batch_size, self.job.data
-        indices = self.order.indices(step, batch)
+        if self.bucketed is not None:
+            size, indices = self.bucketed.batch(step)
+        else:
+            size, indices = Bucket(data.resolution, data.resolution), self.order.indices(step, batch)
         generator = step_generator(self.job.train.seed, step)
-        latent_shape = (batch, self.latent_channels, self.latent_size, self.latent_size)
+        latent_shape = (batch, self.latent_channels, size.height // self.vae_factor, size.width // self.vae_factor)
         # The draws in a fixed order, each for the whole batch.
         noise = torch.randn(latent_shape, generator=generator)
         timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (batch,), generator=generator)
@@ -226,7 +267,7 @@ class TextToImageTrainer:
             input_ids = self.frozen.tokenize(captions)
         time_ids = None
         if self.sdxl:
-            time_ids = torch.tensor([[*g.original_size, *g.crop_top_left, data.resolution, data.resolution] for g in geometries], dtype=torch.float32)
+            time_ids = torch.tensor([[*g.original_size, *g.crop_top_left, g.target.height, g.target.width] for g in geometries], dtype=torch.float32)
         return TextImageInputs(pixels, moments, input_ids, prompt_embeds, pooled, time_ids, posterior_noise, noise, timesteps)
 
     def _cached_text(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -243,25 +284,27 @@ class TextToImageTrainer:
         return sum(encoder.config.hidden_size for encoder in self.frozen.text_encoders) if self.sdxl else self.frozen.text_encoders[0].config.hidden_size
 
     def _geometry(self, index: int, flip: bool, corner: tuple[float, float] | None) -> Geometry:
-        """The scripts' transforms, as numbers: the shorter side resized to the resolution,
-        (flipped,) then a square cropped in the centre or at ``corner`` (fractions of the room
-        there is)."""
-        size = self.job.data.resolution
+        """The scripts' transforms, as numbers: resized to cover the target (the shorter side to
+        the resolution, without buckets), (flipped,) then the target cropped in the centre or at
+        ``corner`` (fractions of the room there is)."""
+        target = self._target(index)
         height, width = self.sizes[index]
-        short, long = sorted((width, height))
-        scaled_long = int(size * long / short)
-        resized = (size, scaled_long) if width <= height else (scaled_long, size)
-        if corner is None:
-            top, left = int(round((resized[1] - size) / 2.0)), int(round((resized[0] - size) / 2.0))
+        # The side that is shorter relative to the target is scaled to it exactly.
+        if width * target.height >= height * target.width:
+            resized = (max(target.width, int(target.height * width / height)), target.height)
         else:
-            top, left = int(corner[0] * (resized[1] - size + 1)), int(corner[1] * (resized[0] - size + 1))
-        return Geometry((height, width), resized, (top, left))
+            resized = (target.width, max(target.height, int(target.width * height / width)))
+        if corner is None:
+            top, left = int(round((resized[1] - target.height) / 2.0)), int(round((resized[0] - target.width) / 2.0))
+        else:
+            top, left = int(corner[0] * (resized[1] - target.height + 1)), int(corner[1] * (resized[0] - target.width + 1))
+        return Geometry((height, width), resized, (top, left), target)
 
     def _pixels(self, index: int, geometry: Geometry, flip: bool) -> torch.Tensor:
         """Image ``index`` as ``geometry`` says (bilinear resize, flip, crop), in [-1, 1]."""
         from PIL import Image
 
-        path, size = self.images[index].path, self.job.data.resolution
+        path, target = self.images[index].path, geometry.target
         try:
             with Image.open(path) as opened:
                 image = opened.convert("RGB")
@@ -271,8 +314,8 @@ class TextToImageTrainer:
         if flip:
             image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         top, left = geometry.crop_top_left
-        image = image.crop((left, top, left + size, top + size))
-        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(size, size, 3).permute(2, 0, 1).float()
+        image = image.crop((left, top, left + target.width, top + target.height))
+        pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8).view(target.height, target.width, 3).permute(2, 0, 1).float()
         return pixels / 127.5 - 1
 
     def slice_loss(self, model: torch.nn.Module, inputs: TextImageInputs, start: int, stop: int, device: torch.device) -> torch.Tensor:

@@ -95,6 +95,13 @@ class UnconditionalTrainer:
     def frozen_sizes(self) -> dict[str, int]:
         return {}
 
+    # Every step's batch is the resolution's square.
+    def step_bucket(self, step: int) -> None:
+        return None
+
+    def heaviest_step(self) -> int:
+        return 0
+
 
 def make_trainer(job: JobSpec, workdir: Path | None = None) -> UnconditionalTrainer:
     return UnconditionalTrainer(job)

@@ -27,10 +27,12 @@ from oomguard.strategies.rungs import (
     ema_offload,
     frozen_half,
     fused_backward,
+    layer_offload,
     lora,
     micro_batch,
     offload,
     offload_frozen,
+    optimizer_4bit,
     optimizer_8bit,
     precision,
     shard_offload,
@@ -39,13 +41,15 @@ from oomguard.strategies.rungs import (
     vae_slicing,
     vae_tiling,
 )
-from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung, no_conflict, not_sharded
+from oomguard.strategies.rungs.base import FrozenHandling, MakeOptimizer, Rung, all_on_device, no_conflict, not_sharded
 
 # The order is the ladder's. The caches come first: exact, and they make steps faster. The
 # approximate rungs go from the least invasive (the frozen encoders' precision) to the most.
 # The checkpointing grades go from the cheapest recomputation to the most; activations kept on
 # the host and the optimizer step inside backward (no full set of gradients) are the last
-# exact answers on one device without a new optimizer placement.
+# exact answers on one device without a new optimizer placement. Layer offload (a fraction of
+# the blocks' weights, gradients and optimizer state on the host, graded) follows them: one
+# process's answer to a model whose state dominates.
 # Sharding (exact, for jobs on two or more processes) comes before the offloads: it frees the
 # same state without the host's copies and updates; keeping the shards on the host
 # (shard_offload) is the slowest exact rung.
@@ -60,6 +64,7 @@ _LADDER: tuple[Rung, ...] = (
     attention.RUNG,
     activation_offload.RUNG,
     fused_backward.RUNG,
+    layer_offload.RUNG,
     shard_optimizer.RUNG,
     shard_params.RUNG,
     vae_slicing.RUNG,
@@ -71,6 +76,7 @@ _LADDER: tuple[Rung, ...] = (
     frozen_half.RUNG,
     precision.RUNG,
     optimizer_8bit.RUNG,
+    optimizer_4bit.RUNG,
     lora.RUNG,
     base_quantization.RUNG,
 )
@@ -187,6 +193,12 @@ def shard_model(plan: Plan, model: Any, mesh: Any) -> str | None:
     """Shard ``model`` across ``mesh`` as ``plan``'s sharding rung says; where the shards live
     ("device", "host"), or None when the plan shards nothing."""
     return next((where for r in _LADDER if (where := r.shard_model(plan, model, mesh)) is not None), None)
+
+
+def keep_on_host(plan: Plan, model: Any, device: Any, memory: Any) -> bool:
+    """Move ``model`` (built on the host, one process) to ``device`` keeping part of it in host
+    memory, as a rung of ``plan`` says; False when no rung does (the caller moves it)."""
+    return any(r.keep_on_host(plan, model, device, memory) for r in _LADDER if r.keep_on_host is not all_on_device)
 
 
 def sharded(plan: Plan) -> bool:

@@ -66,6 +66,11 @@ class MemoryTerms:
     parameter_share: float = 1.0
     gradient_share: float = 1.0
     optimizer_share: float = 1.0
+    # The share of the model's parameters whose weights, gradients and optimizer state rest in
+    # host memory between uses (strategies/rungs/layer_offload.py): an estimate, replaced by
+    # the bytes a measurement's static figures name under ``state_on_host_key`` when it has them.
+    state_on_host: float = 0.0
+    state_on_host_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,10 @@ def not_sharded(plan: Plan, model: Any, mesh: Any) -> str | None:
     return None
 
 
+def all_on_device(plan: Plan, model: Any, device: Any, memory: Any) -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Rung:
     """One memory saving of the ladder.
@@ -247,6 +256,10 @@ class Rung:
     # Shards a built model (on the host) across a device mesh (FSDP2) when the plan asks, and
     # says where the shards live: "device" or "host"; None: not sharded.
     shard_model: Callable[[Plan, Any, Any], str | None] = not_sharded
+    # Moves a built model (on the host) of a single process to ``device``, keeping part of its
+    # weights in host memory, streamed to the device as they are used (the run's DeviceMemory
+    # counts what arrives); True when it did, False: the runner moves the whole model.
+    keep_on_host: Callable[[Plan, Any, Any, Any], bool] = all_on_device
     # Why a plan with this rung on cannot run with the rest of the plan (None: it can). The
     # planner never offers such a plan; the runner refuses one.
     conflict: Callable[[Plan], str | None] = no_conflict

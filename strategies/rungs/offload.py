@@ -9,6 +9,11 @@ and the host's update, and 3x the trained weights' size in host memory. The opti
 when the process starts, so it takes a new attempt.
 
 "params" (parameter offload) is a value the Plan knows, but no rung step produces it yet.
+
+torchao's ``CPUOffloadOptimizer`` does the same job, copying each gradient to the host while
+backward still runs. It is not used: it runs on CUDA and XPU only (it asserts so), so it cannot
+be measured on a CPU machine, and this rung switches implementations only on a measurement:
+bench/gpu_check.py ``--cases offload`` times both on one GPU (results/gpu-offload.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""Rung `optimizer_8bit`: AdamW with 8-bit moments (bitsandbytes' block-wise quantized AdamW).
+"""Rung `optimizer_8bit`: AdamW with 8-bit moments (bitsandbytes' block-wise quantized AdamW;
+torchao's where bitsandbytes does not import: jobs/optimizers.py measured both).
 
 Not exact: both moments are stored as 8-bit codes with one fp32 scale per 256 values, so the
 updates differ slightly from fp32 AdamW. The optimizer state shrinks from 8 to about 2 bytes
 per trained weight. Tensors under 4096 values keep fp32 moments (they are too small to
-matter). The optimizer is built when the process starts, so it takes a new attempt.
+matter). The optimizer is built when the process starts, so it takes a new attempt. The next
+rung, optimizer_4bit, replaces it (the same knob: one optimizer per plan).
 """
 
 from __future__ import annotations
@@ -24,27 +26,31 @@ def step(plan: Plan) -> Plan | None:
     return plan.replace(optimizer="adamw8bit")
 
 
+def on(plan: Plan) -> bool:
+    return plan.optimizer == "adamw8bit"
+
+
 def describe(old: Plan, new: Plan) -> str:
-    return "use 8-bit AdamW moments (optimizer state about 4x smaller; not exact)"
+    if on(new):
+        return "use 8-bit AdamW moments (optimizer state about 4x smaller; not exact)"
+    return f"8-bit AdamW moments off ({new.optimizer})"
 
 
 def make_optimizer(plan: Plan, params: list[Any], lr: float, weight_decay: float, fused: bool | None) -> Any:
-    """bitsandbytes' AdamW8bit in torch AdamW's checkpoint format (jobs/optimizers.py)."""
-    if plan.optimizer == "adamw":
+    """8-bit AdamW in torch AdamW's checkpoint format (jobs/optimizers.py), or None."""
+    if not on(plan):
         return None
-    if plan.optimizer != "adamw8bit":
-        raise ValueError(f"unknown optimizer {plan.optimizer!r}")
-    from oomguard.jobs.optimizers import MIN_8BIT_SIZE, adamw8bit_class
+    from oomguard.jobs.optimizers import adamw8bit
 
-    return adamw8bit_class()(params, lr=lr, weight_decay=weight_decay, min_8bit_size=MIN_8BIT_SIZE)
+    return adamw8bit(params, lr, weight_decay)
 
 
 def memory(plan: Plan) -> MemoryTerms | None:
-    return TERMS if plan.optimizer == "adamw8bit" else None
+    return TERMS if on(plan) else None
 
 
 def label(plan: Plan) -> str | None:
-    return plan.optimizer if plan.optimizer != "adamw" else None
+    return plan.optimizer if on(plan) else None
 
 
 RUNG = Rung(
@@ -56,6 +62,7 @@ RUNG = Rung(
     knob="optimizer",
     default="adamw",
     shrinks=frozenset({"optimizer_state"}),
+    on=on,
     memory=memory,
     label=label,
     make_optimizer=make_optimizer,

@@ -38,6 +38,7 @@ from tests.jobs_helpers import (
 )
 from oomguard.jobs import checkpoints
 from oomguard.jobs.attempt import HEARTBEAT, OUTCOME
+from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.outcome import EXIT_FINISHED, EXIT_INTERRUPTED, EXIT_OOM, EXIT_USAGE, Outcome
 
@@ -311,7 +312,12 @@ def test_a_job_that_started_beside_a_neighbour_steps_up_to_its_own_plan_when_it_
     of room. The neighbour leaves at step 3: at the boundary at 4 the job is back on its own plan."""
     cap = cap_between_micro_batch_4_and_8(measured_full, micro_batch_3)
     workdir = tmp_path / "work"
-    result = run_runner(write_attempt(tmp_path / "attempt-1", JOB, workdir, cap=f"{cap}B,{HUGE_CAP}@3", probe=True))
+    # The rungs a running process can take off again: the probe picks by the speeds it measures,
+    # and under load a plan that needs a new process (layer offload, say) sometimes timed fastest.
+    in_process = dataclasses.replace(JOB, ladder=dataclasses.replace(JOB.ladder, allow=tuple(
+        name for name in JOB.policy().allow if not rungs.rung(name).needs_restart
+    )))
+    result = run_runner(write_attempt(tmp_path / "attempt-1", in_process, workdir, cap=f"{cap}B,{HUGE_CAP}@3", probe=True))
     outcome = assert_finished(result)
     probed, up = outcome.recoveries
     assert probed["step"] == 0 and probed["from"]["micro_batch"] == 8 and probed["for_room"] is True

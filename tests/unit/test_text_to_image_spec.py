@@ -267,3 +267,14 @@ def test_samples_while_training_parse_and_come_back_as_they_were(tmp_path, folde
 def test_bad_sample_keys_name_the_fix(tmp_path, folders, train, expected):
     pipeline, images = folders
     assert expected in error_of(job_text(pipeline, images, train=train), tmp_path)
+
+
+def test_buckets_are_stored_only_when_on_and_no_upscale_needs_them(tmp_path, folders):
+    plain = parse(job_text(*folders), tmp_path)
+    assert not plain.data.buckets and "buckets" not in plain.data.to_dict()
+    bucketed = parse(job_text(*folders, data="buckets = true\nbucket_no_upscale = true\n"), tmp_path)
+    assert bucketed.data.buckets and bucketed.data.bucket_no_upscale
+    assert JobSpec.load(json.loads(json.dumps(bucketed.to_dict()))) == bucketed
+    assert "data.bucket_no_upscale: is for aspect-ratio buckets; add data.buckets = true, or remove it" in error_of(
+        job_text(*folders, data="bucket_no_upscale = true\n"), tmp_path
+    )

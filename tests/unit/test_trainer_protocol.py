@@ -72,6 +72,12 @@ class ToyTrainer:
     def frozen_sizes(self) -> dict[str, int]:
         return {}
 
+    def step_bucket(self, step: int) -> None:
+        return None
+
+    def heaviest_step(self) -> int:
+        return 0
+
     def save_final(self, model: torch.nn.Module, directory: Path) -> None:
         directory.mkdir(parents=True)
         torch.save(model.state_dict(), directory / FINAL_FILE)
