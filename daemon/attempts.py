@@ -62,6 +62,17 @@ class Running:
     handle: Handle
 
 
+def recorded_plans(change: dict[str, Any]) -> tuple[Plan, Plan] | None:
+    """A runner's recoveries record's two plans (from, to), or None when the record is not one
+    a runner writes (a step, a reason and two plans)."""
+    if not isinstance(change.get("step"), int) or not isinstance(change.get("reason"), str):
+        return None
+    try:
+        return Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
 def handle_of(attempt: AttemptRow) -> Handle:
     """The launcher's handle of an attempt, from its row."""
     return Handle(attempt.directory, attempt.pid, attempt.pid_started, attempt.scheduler_id)
@@ -406,7 +417,12 @@ class Attempts:
             return
         job = self.store.job(attempt.job_id)
         for change in changes[reported:]:
-            old, new = Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
+            plans = recorded_plans(change)
+            if plans is None:
+                # outcome.json and the heartbeat are the job owner's files: a record no runner
+                # writes is not reported, and must not stop the daemon's work for everyone.
+                continue
+            old, new = plans
             what = f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: "
             if "bucket" in change:
                 # One aspect-ratio bucket's spike: the plan stays, that bucket's slices shrink.

@@ -230,6 +230,12 @@ def _runner_rungs(attempt: AttemptSeries, recoveries: list[dict[str, Any]]) -> l
         step = _int_or_none(recovery.get("step")) or 0
         probe = str(recovery.get("reason", "")).startswith("probe")
         time = attempt.started_at if probe else _time_of_step(attempt, step)
+        bucket = recovery.get("bucket")
+        if isinstance(bucket, list) and len(bucket) == 2:
+            # One aspect-ratio bucket's slices shrank; the plan stayed (numbers only: the job's file).
+            width, height, micro = _int_or_none(bucket[0]), _int_or_none(bucket[1]), _int_or_none(recovery.get("bucket_micro_batch"))
+            markers.append(RungMarker(time, attempt.number, "runner", f"bucket {width}x{height}: micro-batch {micro}"))
+            continue
         to = _plan_text(recovery.get("to"))
         # A step back up (jobs/step_ups.py) and its failure read as what they are on the plot.
         how = "probe" if probe else {UP: "stepped up", BACK: "step up failed"}.get(str(recovery.get("direction")), "in-process")

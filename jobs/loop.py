@@ -51,6 +51,7 @@ from oomguard.jobs.training import (
     oom_measurement,
     unfit_to_continue,
 )
+from oomguard.strategies import rungs
 from oomguard.strategies.bucket_spike import bucket_micro_batch, describe as describe_bucket_limit
 from oomguard.strategies.contention import find_contention
 from oomguard.strategies.doctor import decide_in_process, describe_oom
@@ -156,10 +157,10 @@ class AttemptRun:
         # The plan a replan goes on under, once recorded (jobs/step_ups.py).
         self.replanned_to: Plan | None = None
         # Aspect-ratio buckets (a step's size differs by bucket): the buckets stepped under each
-        # plan, and the smaller micro-batch of each bucket whose spike ran out where the others
-        # fit (strategies/bucket_spike.py). Learnt in this process.
+        # plan, and under each plan the smaller micro-batch of each bucket whose spike ran out
+        # where the others fit (strategies/bucket_spike.py). Learnt in this process.
         self.buckets_fit: dict[Plan, set[tuple[int, int]]] = {}
-        self.bucket_micro: dict[tuple[int, int], int] = {}
+        self.bucket_micro: dict[tuple[Plan, tuple[int, int]], int] = {}
 
     def say(self, text: str) -> None:
         if self.ranks.main:  # the ranks agree: one of them speaks for all
@@ -182,19 +183,24 @@ class AttemptRun:
             recoveries=tuple(self.recoveries),
         )
 
-    def oom_outcome(self, error: torch.OutOfMemoryError) -> Outcome:
+    def oom_outcome(self, error: torch.OutOfMemoryError, bucket: tuple[int, int] | None = None) -> Outcome:
+        """The OOM as an Outcome; in a step of ``bucket`` (when steps differ in size), with the
+        shape of the micro-batch in flight."""
         figures = self.memory.oom_figures(str(error))
         self.measurements.append(oom_measurement(self.current_plan(), figures, self.training, self.progress.step))
-        bucket, shape = self._bucket(), None
-        if bucket is not None:
-            plan = self.current_plan()
-            shape = (min(self.bucket_micro.get(bucket, plan.micro_batch), plan.per_rank_batch), bucket[1], bucket[0])
+        shape = (self._micro_batch(self.current_plan(), bucket), bucket[1], bucket[0]) if bucket is not None else None
         return Outcome(kind="oom", step=self.progress.step, phase=self.control.phase, memory=figures, message=str(error), batch_shape=shape)
 
     def _bucket(self) -> tuple[int, int] | None:
         """The current step's bucket as (width, height), when steps differ in size."""
         bucket = self.trainer.step_bucket(self.progress.step)
         return (bucket.width, bucket.height) if bucket is not None else None
+
+    def _micro_batch(self, plan: Plan, bucket: tuple[int, int] | None) -> int:
+        """The micro-batch a step of ``bucket`` runs at under ``plan``: the plan's, or the smaller
+        one that bucket's spike took under it."""
+        micro = self.bucket_micro.get((plan, bucket), plan.micro_batch) if bucket is not None else plan.micro_batch
+        return min(micro, plan.per_rank_batch)
 
     # -- start: probe, build, resume ---------------------------------------------------------
 
@@ -319,11 +325,11 @@ class AttemptRun:
         self.memory.reset_peak()
         bucket = self._bucket()
         try:
-            return one_step(self.trainer, self.training, self.progress.step, self.memory, self.control, self.bucket_micro.get(bucket) if bucket else None)
+            return one_step(self.trainer, self.training, self.progress.step, self.memory, self.control, self._micro_batch(self.training.plan, bucket))
         except torch.OutOfMemoryError as error:
             # Keep only numbers and text: the traceback holds the step's tensors, and they
             # must be freed (when this returns) before anything else is allocated.
-            oom = self.oom_outcome(error)
+            oom = self.oom_outcome(error, bucket)
         except PeerOutOfMemory:
             oom = None
         agreed = agreed_oom(self.ranks, self.training.shards is not None, oom)
@@ -348,7 +354,7 @@ class AttemptRun:
         if "bucket" in change:
             # The plan stays; one bucket's steps go in smaller slices (announced when chosen).
             self.recoveries.append(change)
-            self.bucket_micro[tuple(change["bucket"])] = change["bucket_micro_batch"]
+            self.bucket_micro[(training.plan, tuple(change["bucket"]))] = change["bucket_micro_batch"]
             return None
         # A rung's change was announced as it was chosen; a step up's way back is now.
         self._change_plan(change, announce="direction" in change)
@@ -404,9 +410,11 @@ class AttemptRun:
         if bucket is None:
             return None
         plan = training.plan
-        micro = min(self.bucket_micro.get(bucket, plan.micro_batch), plan.per_rank_batch)
+        micro = self._micro_batch(plan, bucket)
         smaller = bucket_micro_batch(bucket, self.buckets_fit.get(plan, set()), micro, plan.micro_batch_choices())
-        if smaller is None:
+        # Not where the plan allows one slice only (the optimizer step inside backward): the
+        # ladder's answer then.
+        if smaller is None or rungs.conflict(plan.replace(micro_batch=smaller)) is not None:
             return None
         reason = describe_bucket_limit(bucket, micro, smaller, plan.micro_batch)
         self.say(f"out of memory in {oom.phase} at step {self.progress.step}; {reason}")

@@ -75,11 +75,11 @@ class RankGroup:
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
 
     def close(self) -> None:
-        if not self.solo:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        # One process has a group only when layer offload started one (jobs/layer_offload.py).
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def mesh(self, device: torch.device) -> Any:
         """The device mesh FSDP shards over: every rank, one dimension."""

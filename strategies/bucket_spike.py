@@ -15,11 +15,13 @@ Size = tuple[int, int]
 
 def bucket_micro_batch(bucket: Size, fitted: Collection[Size], micro: int, choices: list[int]) -> int | None:
     """The micro-batch for the steps of ``bucket`` after one ran out of memory at ``micro``,
-    when the OOM is the bucket's own: it never fitted under this plan, and a bucket of fewer
-    pixels did. The next smaller of ``choices`` (the plan's micro-batch choices) at about half;
-    None when the OOM is not the bucket's, or at a micro-batch of 1 (the doctor's, then)."""
+    when the OOM is the bucket's own: it never fitted under this plan, a bucket of fewer pixels
+    did, and none of as many or more did (else the cause is not its size: fragmentation, growth).
+    The next smaller of ``choices`` (the plan's micro-batch choices) at about half; None when
+    the OOM is not the bucket's, or at a micro-batch of 1 (the doctor's, then)."""
     area = bucket[0] * bucket[1]
-    if micro <= 1 or bucket in fitted or not any(width * height < area for width, height in fitted):
+    areas = [width * height for width, height in fitted]
+    if micro <= 1 or bucket in fitted or not any(a < area for a in areas) or any(a >= area for a in areas):
         return None
     smaller = [size for size in choices if size <= (micro + 1) // 2]
     return smaller[-1] if smaller else 1

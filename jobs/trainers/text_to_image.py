@@ -106,6 +106,16 @@ class TextToImageTrainer:
             sizes = bucket_sizes(job.data.resolution, step)
             self.image_buckets = [assign_bucket(size, sizes, job.data.resolution, step, job.data.bucket_no_upscale) for size in self.sizes]
             self.bucketed = BucketedOrder(self.image_buckets, job.train.batch_size, job.train.seed)
+            short = [bucket for bucket, images in self.bucketed.members.items() if len(images) < job.train.batch_size]
+            if short:
+                # Every batch has the job's batch size: a bucket with fewer images repeats them,
+                # so they weigh more in an epoch than images of a full bucket.
+                print(
+                    f"data.buckets: {len(short)} of {len(self.bucketed.members)} buckets hold fewer images than train.batch_size "
+                    f"({job.train.batch_size}), and their images repeat to fill a batch (e.g. {short[0]}); "
+                    "a smaller batch_size, more images of those shapes, or bucket_no_upscale = false avoids it",
+                    flush=True,
+                )
         # A test's or a benchmark's trainer has no workdir: its caches live as long as it does.
         self.cache_dir = workdir / CACHE_FOLDER if workdir is not None else Path(tempfile.mkdtemp(prefix="oomguard-cache-"))
         self.latent_cache: EncodingCache | None = None

@@ -63,6 +63,7 @@ def test_a_larger_bucket_that_runs_out_where_smaller_ones_fit_gets_its_own_small
     assert bucket_micro_batch((64, 64), {(64, 64), (80, 48)}, 4, choices) is None
     assert bucket_micro_batch((64, 64), set(), 4, choices) is None
     assert bucket_micro_batch((80, 48), {(64, 64)}, 4, choices) is None
+    assert bucket_micro_batch((72, 56), {(80, 48), (64, 64)}, 4, choices) is None  # a larger one fitted
     assert bucket_micro_batch((64, 64), {(80, 48)}, 1, choices) is None
 
 
