@@ -382,7 +382,8 @@ def measure_plan(trainer: ConditionalTrainer, job: Any, task: dict[str, Any]) ->
     from oomguard.jobs.device import DeviceSpec
     from oomguard.jobs.memory_cap import open_device_memory
     from oomguard.jobs.sizes import CapSchedule
-    from oomguard.jobs.training import build_training, free, one_step, unfit_to_continue
+    from oomguard.jobs.training import build_training, one_step
+    from oomguard.jobs.step_oom import free, unfit_to_continue
     from oomguard.strategies.plan import Plan
 
     plan = Plan.from_dict(task["plan"])

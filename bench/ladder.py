@@ -159,7 +159,8 @@ def sweep_task(job_path: str, plan: Any, steps: int) -> dict[str, Any]:
     from oomguard.jobs.device import DeviceSpec
     from oomguard.jobs.memory_cap import open_device_memory
     from oomguard.jobs.sizes import CapSchedule
-    from oomguard.jobs.training import build_training, free
+    from oomguard.jobs.training import build_training
+    from oomguard.jobs.step_oom import free
 
     job, trainer = _job(job_path)
     memory = open_device_memory(DeviceSpec(CapSchedule(((0, UNLIMITED),))), torch.device("cpu"))
@@ -204,7 +205,8 @@ def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds:
     from oomguard.jobs.device import DeviceSpec
     from oomguard.jobs.memory_cap import open_device_memory
     from oomguard.jobs.sizes import CapSchedule
-    from oomguard.jobs.training import build_training, free
+    from oomguard.jobs.training import build_training
+    from oomguard.jobs.step_oom import free
 
     device = torch.device("cpu")
     state: list[dict[str, Any]] = []
@@ -261,7 +263,8 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
     from oomguard.jobs.device import DeviceSpec
     from oomguard.jobs.memory_cap import open_device_memory
     from oomguard.jobs.sizes import CapSchedule
-    from oomguard.jobs.training import build_training, free
+    from oomguard.jobs.training import build_training
+    from oomguard.jobs.step_oom import free
     from oomguard.strategies.plan import Plan
 
     start_batch = _spec(job_path).train.batch_size

@@ -20,7 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from oomguard.jobs.optimizers import adamw8bit_class, device_state_tensors, torchao_adamw_class
+from oomguard.jobs.optimizers import device_state_tensors
+from oomguard.jobs.quantized_optimizers import adamw8bit_class, torchao_adamw_class
 
 LR, WEIGHT_DECAY, STEPS, WIDTH, DEPTH = 1e-3, 1e-2, 20, 1536, 8
 

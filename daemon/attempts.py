@@ -27,6 +27,7 @@ from oomguard.daemon.launch import Exit, Handle, Launcher, LaunchRequest, Resour
 from oomguard.daemon.lifecycle import Lifecycle, State
 from oomguard.daemon.monitor import GpuMonitor
 from oomguard.daemon.placement import Placement
+from oomguard.daemon.runner_recoveries import recorded_plans, recovery_text
 from oomguard.daemon.store import Store
 from oomguard.daemon.step_up_launch import launch_plan
 from oomguard.daemon.store_rows import AttemptRow, JobRow
@@ -41,7 +42,6 @@ from oomguard.strategies.decision import Retry
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.step_up_history import BACK, UP
-from oomguard.strategies.planner import describe_change
 from oomguard.strategies.units import format_duration_words
 from oomguard.strategies.errors import LaunchFailed, PermissionRefused
 
@@ -60,17 +60,6 @@ class Running:
     attempt_id: int
     job_id: int
     handle: Handle
-
-
-def recorded_plans(change: dict[str, Any]) -> tuple[Plan, Plan] | None:
-    """A runner's recoveries record's two plans (from, to), or None when the record is not one
-    a runner writes (a step, a reason and two plans)."""
-    if not isinstance(change.get("step"), int) or not isinstance(change.get("reason"), str):
-        return None
-    try:
-        return Plan.from_dict(change["from"]), Plan.from_dict(change["to"])
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
 
 
 def handle_of(attempt: AttemptRow) -> Handle:
@@ -423,19 +412,7 @@ class Attempts:
                 # writes is not reported, and must not stop the daemon's work for everyone.
                 continue
             old, new = plans
-            what = f"at step {change['step']}, in the runner: [{old.short()}] -> [{new.short()}]: "
-            if "bucket" in change:
-                # One aspect-ratio bucket's spike: the plan stays, that bucket's slices shrink.
-                what = f"at step {change['step']}, in the runner: {change.get('oom')} -> {change['reason']}; resumed at step {change['step']} in the same process"
-            elif isinstance(change.get("oom"), str):
-                # An OOM the runner recovered from itself: what ran out, what changed, and that
-                # training went on, in words (the daemon's log is what people read).
-                where = "a new process goes on from the checkpoint" if change.get("restart") else "resumed"
-                what += f"{change['oom']} -> {describe_change(old, new)}; {change['reason']}; {where} at step {change['step']}" + (
-                    "" if change.get("restart") else " in the same process"
-                )
-            else:
-                what += change["reason"]
+            what = recovery_text(change, old, new)
             # A step back up (jobs/step_ups.py) is an event of its own kind; its failure, like
             # any step down, an escalation.
             up = change.get("direction") == UP

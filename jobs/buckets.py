@@ -71,12 +71,24 @@ def assign_bucket(size: tuple[int, int], buckets: list[Bucket], resolution: int,
     return min(buckets, key=lambda bucket: (abs(bucket.ratio - ratio), -bucket.area))
 
 
+def cover(size: tuple[int, int], target: Bucket) -> tuple[int, int]:
+    """The (width, height) an image of ``size`` (height, width) is resized to so that it covers
+    ``target`` with its aspect ratio kept: the side shorter relative to the target scaled to it
+    exactly (for a square target, the shorter side to the resolution: the scripts' resize)."""
+    height, width = size
+    if width * target.height >= height * target.width:
+        return max(target.width, int(target.height * width / height)), target.height
+    return target.width, max(target.height, int(target.width * height / width))
+
+
 class BucketedOrder:
-    """Which bucket and which images a global step trains on (the module's docstring)."""
+    """Which bucket and which images a global step trains on (the module's docstring);
+    ``image_buckets``: each image's bucket, by index."""
 
     def __init__(self, image_buckets: list[Bucket], batch_size: int, seed: int) -> None:
         from oomguard.jobs.data import step_seed
 
+        self.image_buckets = image_buckets
         self.batch_size = batch_size
         self.seed = seed
         self._step_seed = step_seed
@@ -101,6 +113,24 @@ class BucketedOrder:
     def batch(self, step: int) -> tuple[Bucket, list[int]]:
         """Step ``step``'s bucket and image indices."""
         return self._epoch(step // self.steps_per_epoch)[step % self.steps_per_epoch]
+
+    @classmethod
+    def of(cls, sizes: list[tuple[int, int]], resolution: int, step: int, no_upscale: bool, batch_size: int, seed: int) -> BucketedOrder:
+        """The order of images of ``sizes`` (height, width), each in its bucket."""
+        buckets = bucket_sizes(resolution, step)
+        return cls([assign_bucket(size, buckets, resolution, step, no_upscale) for size in sizes], batch_size, seed)
+
+    def repeats(self) -> str | None:
+        """A line for people when a bucket holds fewer images than a batch: every batch has the
+        job's batch size, so its images repeat to fill one and weigh more in an epoch."""
+        short = [bucket for bucket, images in self.members.items() if len(images) < self.batch_size]
+        if not short:
+            return None
+        return (
+            f"data.buckets: {len(short)} of {len(self.members)} buckets hold fewer images than train.batch_size ({self.batch_size}), "
+            f"and their images repeat to fill a batch (e.g. {short[0]}); a smaller batch_size, more images of those shapes, "
+            "or bucket_no_upscale = false avoids it"
+        )
 
     def largest(self) -> Bucket:
         """The bucket of the most pixels that holds images (the widest of equals)."""

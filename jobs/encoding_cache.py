@@ -78,3 +78,39 @@ class EncodingCache:
 
             self._handle = safe_open(str(self.path), framework="pt")
         return self._handle.get_tensor(name)
+
+
+def encoded_in_chunks(what: str, items: list[Any], chunk: int, encode: Any, memory: Any, name: Any) -> dict[str, torch.Tensor]:
+    """``encode`` applied to ``items`` ``chunk`` at a time, one host tensor per item by
+    ``name(item)``; progress printed about every tenth of the way. Out of memory, the chunk is
+    halved and the same items encoded again (each item's encoding is its own: how many go at
+    once changes nothing but the rounding); at one item, the OOM is the attempt's."""
+    from oomguard.jobs.step_oom import free
+
+    tensors: dict[str, torch.Tensor] = {}
+    tenths_said = 0
+    start = 0
+    while start < len(items):
+        batch = items[start:start + chunk]
+        ran_out = False
+        try:
+            encoded = encode(batch)
+        except torch.OutOfMemoryError:
+            if chunk == 1:
+                raise
+            ran_out = True
+        if ran_out:
+            # Out of the except block: the traceback, and the tensors it holds, are gone.
+            free()
+            chunk = max(1, chunk // 2)
+            print(f"{what.split(':')[0]}: out of memory encoding {len(batch)} at once; now {chunk} at a time", flush=True)
+            continue
+        with memory.paused():  # host copies, which the emulated device must not count
+            for item, row in zip(batch, encoded):
+                tensors[name(item)] = row.to("cpu", copy=True)
+        del encoded
+        start += len(batch)
+        if start * 10 // len(items) > tenths_said:
+            tenths_said = start * 10 // len(items)
+            print(f"{what} {start}/{len(items)}", flush=True)
+    return tensors

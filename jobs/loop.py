@@ -27,6 +27,7 @@ from typing import IO, Any
 import torch
 
 from oomguard.jobs import checkpoints, train_state
+from oomguard.jobs.bucket_limits import BucketLimits
 from oomguard.jobs.attempt import METRICS, AttemptConfig, Control
 from oomguard.jobs.disk_guard import checkpoint_need, disk_full_outcome, final_need, room_for, unplanned_disk_full, writing_into
 from oomguard.jobs.disk_space import DiskFull, is_disk_full
@@ -39,20 +40,8 @@ from oomguard.jobs.step_report import Progress, report_step
 from oomguard.jobs.step_ups import StepUps
 from oomguard.jobs.trainers import make_trainer
 from oomguard.jobs.trainers.base import Trainer
-from oomguard.jobs.training import (
-    IN_PROCESS_PHASES,
-    RankAlone,
-    StepResult,
-    Training,
-    agreed_oom,
-    build_training,
-    free,
-    one_step,
-    oom_measurement,
-    unfit_to_continue,
-)
-from oomguard.strategies import rungs
-from oomguard.strategies.bucket_spike import bucket_micro_batch, describe as describe_bucket_limit
+from oomguard.jobs.training import StepResult, Training, build_training, one_step
+from oomguard.jobs.step_oom import IN_PROCESS_PHASES, RankAlone, agreed_oom, free, oom_measurement, unfit_to_continue
 from oomguard.strategies.contention import find_contention
 from oomguard.strategies.doctor import decide_in_process, describe_oom
 from oomguard.strategies.memory_model import Measurement, MemoryModel
@@ -156,11 +145,8 @@ class AttemptRun:
         self.step_ups = StepUps(config.step_up, origin=self.job.initial_plan(), in_process=config.recover_in_process)
         # The plan a replan goes on under, once recorded (jobs/step_ups.py).
         self.replanned_to: Plan | None = None
-        # Aspect-ratio buckets (a step's size differs by bucket): the buckets stepped under each
-        # plan, and under each plan the smaller micro-batch of each bucket whose spike ran out
-        # where the others fit (strategies/bucket_spike.py). Learnt in this process.
-        self.buckets_fit: dict[Plan, set[tuple[int, int]]] = {}
-        self.bucket_micro: dict[tuple[Plan, tuple[int, int]], int] = {}
+        # Aspect-ratio buckets (a step's size differs by bucket): what this process learnt of them.
+        self.buckets = BucketLimits()
 
     def say(self, text: str) -> None:
         if self.ranks.main:  # the ranks agree: one of them speaks for all
@@ -188,19 +174,13 @@ class AttemptRun:
         shape of the micro-batch in flight."""
         figures = self.memory.oom_figures(str(error))
         self.measurements.append(oom_measurement(self.current_plan(), figures, self.training, self.progress.step))
-        shape = (self._micro_batch(self.current_plan(), bucket), bucket[1], bucket[0]) if bucket is not None else None
+        shape = (self.buckets.micro_batch(self.current_plan(), bucket), bucket[1], bucket[0]) if bucket is not None else None
         return Outcome(kind="oom", step=self.progress.step, phase=self.control.phase, memory=figures, message=str(error), batch_shape=shape)
 
     def _bucket(self) -> tuple[int, int] | None:
         """The current step's bucket as (width, height), when steps differ in size."""
         bucket = self.trainer.step_bucket(self.progress.step)
         return (bucket.width, bucket.height) if bucket is not None else None
-
-    def _micro_batch(self, plan: Plan, bucket: tuple[int, int] | None) -> int:
-        """The micro-batch a step of ``bucket`` runs at under ``plan``: the plan's, or the smaller
-        one that bucket's spike took under it."""
-        micro = self.bucket_micro.get((plan, bucket), plan.micro_batch) if bucket is not None else plan.micro_batch
-        return min(micro, plan.per_rank_batch)
 
     # -- start: probe, build, resume ---------------------------------------------------------
 
@@ -325,7 +305,7 @@ class AttemptRun:
         self.memory.reset_peak()
         bucket = self._bucket()
         try:
-            return one_step(self.trainer, self.training, self.progress.step, self.memory, self.control, self._micro_batch(self.training.plan, bucket))
+            return one_step(self.trainer, self.training, self.progress.step, self.memory, self.control, self.buckets.micro_batch(self.training.plan, bucket))
         except torch.OutOfMemoryError as error:
             # Keep only numbers and text: the traceback holds the step's tensors, and they
             # must be freed (when this returns) before anything else is allocated.
@@ -354,7 +334,7 @@ class AttemptRun:
         if "bucket" in change:
             # The plan stays; one bucket's steps go in smaller slices (announced when chosen).
             self.recoveries.append(change)
-            self.bucket_micro[(training.plan, tuple(change["bucket"]))] = change["bucket_micro_batch"]
+            self.buckets.take(training.plan, change)
             return None
         # A rung's change was announced as it was chosen; a step up's way back is now.
         self._change_plan(change, announce="direction" in change)
@@ -389,8 +369,10 @@ class AttemptRun:
             return None
         if oom.phase not in IN_PROCESS_PHASES or not self.config.recover_in_process or len(self.recoveries) >= MAX_RECOVERIES:
             return None
-        spike = self._bucket_spike(oom)
+        bucket = self._bucket()
+        spike = self.buckets.answer(training.plan, bucket, oom, self.progress.step) if bucket is not None else None
         if spike is not None:
+            self.say(f"out of memory in {oom.phase} at step {self.progress.step}; {spike['reason']}")
             return spike
         total = oom.memory.total if oom.memory else None
         recovery = decide_in_process(training.plan, self.measurements + _steady(self.records), self.job.policy(), total)
@@ -400,28 +382,6 @@ class AttemptRun:
         return {
             "step": self.progress.step, "from": training.plan.to_dict(), "to": recovery.plan.to_dict(), "reason": recovery.reason,
             "oom": describe_oom(oom),
-        }
-
-    def _bucket_spike(self, oom: Outcome) -> dict[str, Any] | None:
-        """The change for an OOM that is its bucket's own (strategies/bucket_spike.py): that
-        bucket's steps in smaller micro-batches, the plan unchanged; None when it is not."""
-        training, bucket = self.training, self._bucket()
-        assert training is not None
-        if bucket is None:
-            return None
-        plan = training.plan
-        micro = self._micro_batch(plan, bucket)
-        smaller = bucket_micro_batch(bucket, self.buckets_fit.get(plan, set()), micro, plan.micro_batch_choices())
-        # Not where the plan allows one slice only (the optimizer step inside backward): the
-        # ladder's answer then.
-        if smaller is None or rungs.conflict(plan.replace(micro_batch=smaller)) is not None:
-            return None
-        reason = describe_bucket_limit(bucket, micro, smaller, plan.micro_batch)
-        self.say(f"out of memory in {oom.phase} at step {self.progress.step}; {reason}")
-        # "for_room": False: the plan was not left, so there is nothing to step back up to.
-        return {
-            "step": self.progress.step, "from": plan.to_dict(), "to": plan.to_dict(), "reason": reason, "oom": describe_oom(oom),
-            "bucket": list(bucket), "bucket_micro_batch": smaller, "for_room": False,
         }
 
     def replan(self, change: dict[str, Any], after: Outcome | None = None) -> Outcome:
@@ -453,7 +413,7 @@ class AttemptRun:
         samples_per_s = self.job.train.batch_size / result.seconds
         bucket = self._bucket()
         if bucket is not None:
-            self.buckets_fit.setdefault(training.plan, set()).add(bucket)
+            self.buckets.fitted(training.plan, bucket)
         if self.steps_in_process > 1:
             record = self.records.setdefault(training.plan, PlanRecord())
             record.peaks.append(self.memory.peak_bytes() or 0)

@@ -8,7 +8,7 @@ the cheapest step it has; the memory model then names the plan to try next (usua
 largest micro-batch that fits), which is measured too before it is trusted.
 
 A job on several processes probes with all of them, in step: each plan is built and stepped on
-every rank, an OOM on any rank is every rank's (jobs/training.py agreed_oom), and a measurement
+every rank, an OOM on any rank is every rank's (jobs/step_oom.py agreed_oom), and a measurement
 is the largest peak, the smallest capacity and the slowest step of the ranks, so every rank
 makes the same choices. A sharded plan is measured too, but an OOM inside its collectives
 cannot be agreed on: it ends the attempt (jobs/ranks.py stops the other ranks), with what the
@@ -27,7 +27,8 @@ from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.rank_group import PeerOutOfMemory, RankGroup
 from oomguard.jobs.spec import JobSpec
 from oomguard.jobs.trainers.base import Trainer
-from oomguard.jobs.training import RankAlone, Training, agreed_oom, build_training, free, one_step, oom_measurement, unfit_to_continue
+from oomguard.jobs.training import Training, build_training, one_step
+from oomguard.jobs.step_oom import RankAlone, agreed_oom, free, oom_measurement, unfit_to_continue
 from oomguard.strategies import planner, rungs
 from oomguard.strategies.memory_model import Measurement, MemoryModel, shape_of
 from oomguard.strategies.outcome import Outcome

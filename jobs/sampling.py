@@ -104,7 +104,7 @@ class Sampler:
 
     def render(self, training: Any, step: int, memory: DeviceMemory) -> list[Path]:
         """The samples of ``step``, written; [] when every setting ran out of memory."""
-        from oomguard.jobs.training import free
+        from oomguard.jobs.step_oom import free
 
         while True:
             settings = LADDER[self.level]

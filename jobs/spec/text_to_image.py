@@ -180,14 +180,19 @@ def _check_pipeline_folder(ctx: ReadContext, s: Section, folder: Path, resolutio
     for part, config in parts.items():
         if not (folder / part / config).is_file():
             raise s.fail("path", f"{folder / part} has no {config}: the part is incomplete; save the pipeline again with save_pretrained")
-    unet, vae = _config(s, folder / "unet" / "config.json"), _config(s, folder / "vae" / "config.json")
-    factor = 2 ** (len(vae.get("block_out_channels", [0])) - 1) * 2 ** (len(unet.get("block_out_channels", [0])) - 1)
+    factor = downsampling(_config(s, folder / "vae" / "config.json"), _config(s, folder / "unet" / "config.json"))
     if resolution % factor:
         raise ctx.fail(
             "data.resolution",
             f"{resolution} is not divisible by {factor} (the VAE and then the UNet halve the image "
             f"{factor.bit_length() - 1} times in all); use a multiple of {factor}",
         )
+
+
+def downsampling(vae: Mapping[str, Any], unet: Mapping[str, Any]) -> int:
+    """How many times smaller the UNet's deepest features are than the image: the VAE and then
+    the UNet halve it once per block after the first (every side must be a multiple)."""
+    return 2 ** (len(vae.get("block_out_channels", [0])) - 1) * 2 ** (len(unet.get("block_out_channels", [0])) - 1)
 
 
 def _config(s: Section, path: Path) -> dict[str, Any]:

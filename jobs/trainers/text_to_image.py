@@ -31,13 +31,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from oomguard.jobs.buckets import Bucket, BucketedOrder, assign_bucket, bucket_sizes
+from oomguard.jobs.buckets import Bucket, BucketedOrder, cover
 from oomguard.jobs.captions import captioned_images
 from oomguard.jobs.data import SampleOrder, step_generator
-from oomguard.jobs.encoding_cache import CACHE_FOLDER, EncodingCache, folder_digest, key_of
+from oomguard.jobs.encoding_cache import CACHE_FOLDER, EncodingCache, encoded_in_chunks, folder_digest, key_of
 from oomguard.jobs.frozen_parts import FrozenParts
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.spec import JobSpec
+from oomguard.jobs.spec.text_to_image import downsampling
 from oomguard.strategies import rungs
 from oomguard.strategies.plan import Plan
 
@@ -99,23 +100,12 @@ class TextToImageTrainer:
         self.latent_channels = vae.latent_channels
         self.vae_factor = 2 ** (len(vae.block_out_channels) - 1)
         # Aspect-ratio buckets: each image's training size; every step draws from one bucket.
-        self.image_buckets: list[Bucket] | None = None
         self.bucketed: BucketedOrder | None = None
         if job.data.buckets:
-            step = self._size_step()
-            sizes = bucket_sizes(job.data.resolution, step)
-            self.image_buckets = [assign_bucket(size, sizes, job.data.resolution, step, job.data.bucket_no_upscale) for size in self.sizes]
-            self.bucketed = BucketedOrder(self.image_buckets, job.train.batch_size, job.train.seed)
-            short = [bucket for bucket, images in self.bucketed.members.items() if len(images) < job.train.batch_size]
-            if short:
-                # Every batch has the job's batch size: a bucket with fewer images repeats them,
-                # so they weigh more in an epoch than images of a full bucket.
-                print(
-                    f"data.buckets: {len(short)} of {len(self.bucketed.members)} buckets hold fewer images than train.batch_size "
-                    f"({job.train.batch_size}), and their images repeat to fill a batch (e.g. {short[0]}); "
-                    "a smaller batch_size, more images of those shapes, or bucket_no_upscale = false avoids it",
-                    flush=True,
-                )
+            data = job.data
+            self.bucketed = BucketedOrder.of(self.sizes, data.resolution, self._size_step(), data.bucket_no_upscale, job.train.batch_size, job.train.seed)
+            if (repeats := self.bucketed.repeats()) is not None:
+                print(repeats, flush=True)
         # A test's or a benchmark's trainer has no workdir: its caches live as long as it does.
         self.cache_dir = workdir / CACHE_FOLDER if workdir is not None else Path(tempfile.mkdtemp(prefix="oomguard-cache-"))
         self.latent_cache: EncodingCache | None = None
@@ -123,14 +113,14 @@ class TextToImageTrainer:
         self._digests: dict[str, str] = {}
 
     def _size_step(self) -> int:
-        """The multiple every side must be: the VAE and then the UNet halve the image."""
+        """The multiple every side must be."""
         unet = json.loads((self.pipeline_path / "unet" / "config.json").read_text(encoding="utf-8"))
-        return self.vae_factor * 2 ** (len(unet["block_out_channels"]) - 1)
+        return downsampling(self.frozen.vae.config, unet)
 
     def _target(self, index: int) -> Bucket:
         """The size image ``index`` is trained at."""
-        if self.image_buckets is not None:
-            return self.image_buckets[index]
+        if self.bucketed is not None:
+            return self.bucketed.image_buckets[index]
         return Bucket(self.job.data.resolution, self.job.data.resolution)
 
     def step_bucket(self, step: int) -> Bucket | None:
@@ -223,7 +213,7 @@ class TextToImageTrainer:
 
             encoded: dict[str, torch.Tensor] = {}
             for items in by_size.values():
-                encoded.update(_encoded("cache_latents: encoded", items, chunk, encode, memory, lambda item: f"{item[0]}:{int(item[1])}"))
+                encoded.update(encoded_in_chunks("cache_latents: encoded", items, chunk, encode, memory, lambda item: f"{item[0]}:{int(item[1])}"))
             cache.write(encoded)
         return cache
 
@@ -241,7 +231,7 @@ class TextToImageTrainer:
                 # One tensor per caption: the pooled embeddings ride along, flattened after the hidden states.
                 return hidden.flatten(1) if pooled is None else torch.cat([hidden.flatten(1), pooled], dim=1)
 
-            cache.write(_encoded("cache_text: encoded", list(range(len(self.captions))), chunk, encode, memory, str))
+            cache.write(encoded_in_chunks("cache_text: encoded", list(range(len(self.captions))), chunk, encode, memory, str))
         return cache
 
     # -- a step ------------------------------------------------------------------------------
@@ -299,11 +289,7 @@ class TextToImageTrainer:
         ``corner`` (fractions of the room there is)."""
         target = self._target(index)
         height, width = self.sizes[index]
-        # The side that is shorter relative to the target is scaled to it exactly.
-        if width * target.height >= height * target.width:
-            resized = (max(target.width, int(target.height * width / height)), target.height)
-        else:
-            resized = (target.width, max(target.height, int(target.width * height / width)))
+        resized = cover((height, width), target)
         if corner is None:
             top, left = int(round((resized[1] - target.height) / 2.0)), int(round((resized[0] - target.width) / 2.0))
         else:
@@ -393,42 +379,6 @@ class TextToImageTrainer:
         # changes them; a rung may have cast or moved the copies here).
         pipeline = self.pipeline_class().from_pretrained(str(self.pipeline_path), unet=model)
         pipeline.save_pretrained(str(directory))
-
-
-def _encoded(what: str, items: list[Any], chunk: int, encode: Any, memory: DeviceMemory, name: Any) -> dict[str, torch.Tensor]:
-    """``encode`` applied to ``items`` ``chunk`` at a time, one host tensor per item by
-    ``name(item)``; progress printed about every tenth of the way. Out of memory, the chunk is
-    halved and the same items encoded again (each item's encoding is its own: how many go at
-    once changes nothing but the rounding); at one item, the OOM is the attempt's."""
-    from oomguard.jobs.training import free
-
-    tensors: dict[str, torch.Tensor] = {}
-    tenths_said = 0
-    start = 0
-    while start < len(items):
-        batch = items[start:start + chunk]
-        ran_out = False
-        try:
-            encoded = encode(batch)
-        except torch.OutOfMemoryError:
-            if chunk == 1:
-                raise
-            ran_out = True
-        if ran_out:
-            # Out of the except block: the traceback, and the tensors it holds, are gone.
-            free()
-            chunk = max(1, chunk // 2)
-            print(f"{what.split(':')[0]}: out of memory encoding {len(batch)} at once; now {chunk} at a time", flush=True)
-            continue
-        with memory.paused():  # host copies, which the emulated device must not count
-            for item, row in zip(batch, encoded):
-                tensors[name(item)] = row.to("cpu", copy=True)
-        del encoded
-        start += len(batch)
-        if start * 10 // len(items) > tenths_said:
-            tenths_said = start * 10 // len(items)
-            print(f"{what} {start}/{len(items)}", flush=True)
-    return tensors
 
 
 def _image_sizes(images: list[Any]) -> list[tuple[int, int]]:

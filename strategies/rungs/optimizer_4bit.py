@@ -65,10 +65,10 @@ def conflict(plan: Plan) -> str | None:
 
 
 def make_optimizer(plan: Plan, params: list[Any], lr: float, weight_decay: float, fused: bool | None) -> Any:
-    """torchao's 4-bit AdamW in torch AdamW's checkpoint format (jobs/optimizers.py), or None."""
+    """torchao's 4-bit AdamW in torch AdamW's checkpoint format (jobs/quantized_optimizers.py), or None."""
     if not on(plan):
         return None
-    from oomguard.jobs.optimizers import adamw4bit
+    from oomguard.jobs.quantized_optimizers import adamw4bit
 
     return adamw4bit(params, lr, weight_decay)
 

@@ -37,10 +37,10 @@ def describe(old: Plan, new: Plan) -> str:
 
 
 def make_optimizer(plan: Plan, params: list[Any], lr: float, weight_decay: float, fused: bool | None) -> Any:
-    """8-bit AdamW in torch AdamW's checkpoint format (jobs/optimizers.py), or None."""
+    """8-bit AdamW in torch AdamW's checkpoint format (jobs/quantized_optimizers.py), or None."""
     if not on(plan):
         return None
-    from oomguard.jobs.optimizers import adamw8bit
+    from oomguard.jobs.quantized_optimizers import adamw8bit
 
     return adamw8bit(params, lr, weight_decay)
 

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from oomguard.jobs.device_memory import EmulatedDevice
 from oomguard.jobs.memory_cap import DeviceMemory, HostMemory
-from oomguard.jobs.optimizers import CODES_KEY, HostOffloadedOptimizer, build_optimizer, device_state_tensors, load_portable_state_dict, portable_state_dict
+from oomguard.jobs.quantized_optimizers import CODES_KEY
+from oomguard.jobs.optimizers import HostOffloadedOptimizer, build_optimizer, device_state_tensors, load_portable_state_dict, portable_state_dict
 from oomguard.strategies.plan import Plan
 from tests.integration.test_adapters import tiny_unet
 

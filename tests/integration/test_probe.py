@@ -13,7 +13,7 @@ from oomguard.jobs.memory_cap import open_device_memory
 from oomguard.jobs.probe import measure
 from oomguard.jobs.sizes import CapSchedule
 from oomguard.jobs.trainers.unconditional import make_trainer
-from oomguard.jobs.training import LEFTOVER_TOLERANCE, unfit_to_continue
+from oomguard.jobs.step_oom import LEFTOVER_TOLERANCE, unfit_to_continue
 from tests.jobs_helpers import tiny_job
 
 # Imported before any measurement: bitsandbytes logs a warning with a caught exception on

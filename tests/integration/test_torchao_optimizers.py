@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from oomguard.jobs import checkpoints
-from oomguard.jobs.optimizers import adamw8bit_class, build_optimizer, device_state_tensors, load_portable_state_dict, portable_state_dict, torchao_adamw_class
+from oomguard.jobs.optimizers import build_optimizer, device_state_tensors, load_portable_state_dict, portable_state_dict
+from oomguard.jobs.quantized_optimizers import adamw8bit_class, torchao_adamw_class
 from oomguard.strategies.outcome import EXIT_FINISHED, EXIT_OOM
 from oomguard.strategies.plan import Plan
 from tests.integration.test_adapters import tiny_unet
@@ -128,7 +129,7 @@ def test_torchaos_8bit_writes_the_state_bitsandbytes_writes():
 
 
 def test_the_8bit_rung_takes_torchaos_where_bitsandbytes_does_not_import(monkeypatch):
-    from oomguard.jobs import optimizers
+    from oomguard.jobs import quantized_optimizers as optimizers
 
     def missing() -> type:
         raise ImportError("No module named 'bitsandbytes'")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from oomguard.daemon.attempts import recorded_plans
+from oomguard.daemon.runner_recoveries import recorded_plans
 from oomguard.strategies.plan import Plan
 
 PLAN = Plan.initial(4).to_dict()
