@@ -426,7 +426,7 @@ def measure_plan(trainer: ConditionalTrainer, job: Any, task: dict[str, Any]) ->
             result.update(fits=False, oom_step=step, oom_phase=control.phase, oom_message=oom_text.splitlines()[0][:300],
                           needed_at_least=(figures.allocated or 0) + (figures.requested or 0))
         training = None
-        free()
+        free(memory)
         leftover = unfit_to_continue(memory, clean)
         if leftover is not None:
             result["leftover_bytes"] = leftover

@@ -183,7 +183,7 @@ def sweep_task(job_path: str, plan: Any, steps: int) -> dict[str, Any]:
             static = training.static_bytes()
     finally:
         training = None
-        free()
+        free(memory)
     return {
         "plan": plan,
         "peak_bytes": max(build_peak, *peaks),
@@ -246,8 +246,10 @@ def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds:
                      "peak_bytes": e["memory"].peak_bytes()}
         for e in state
     }
+    memories = [e["memory"] for e in state]
     state.clear()
-    free()
+    for memory in memories:
+        free(memory)
     return results
 
 
@@ -294,7 +296,7 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
             raise
         finally:
             training = None
-            free()
+            free(memory)
 
     started = time.perf_counter()
     try:

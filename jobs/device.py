@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from oomguard.jobs.emulated_allocator import EMULATE_ALLOCATOR_ENV, AllocatorEmulation
 from oomguard.jobs.sizes import CapSchedule
 
 # The environment variable that sets the emulated device capacity (a CapSchedule text) for
@@ -29,36 +30,46 @@ EMULATE_DEVICE_MEMORY_ENV = "OOMGUARD_EMULATE_DEVICE_MEMORY"
 @dataclass(frozen=True)
 class DeviceSpec:
     """The device an attempt trains on: the real one (``emulated_capacity`` None), or one whose
-    capacity is emulated and follows a CapSchedule (on a CUDA machine: a cap on the real card)."""
+    capacity is emulated and follows a CapSchedule (on a CUDA machine: a cap on the real card).
+    ``allocator``: how an emulated device allocates (None: exact bytes; else PyTorch's caching
+    allocator, jobs/emulated_allocator.py); a real card has its own."""
 
     emulated_capacity: CapSchedule | None = None
+    allocator: AllocatorEmulation | None = None
 
     @property
     def emulated(self) -> bool:
         return self.emulated_capacity is not None
 
     @classmethod
-    def from_option(cls, text: str | None) -> DeviceSpec:
+    def from_option(cls, text: str | None, allocator: str | None = None) -> DeviceSpec:
         """From an --emulate-device-memory value (``"48MiB"``, ``"64MiB,40MiB@15"``) or None
-        (the real device). ValueError for a text that is not a capacity schedule."""
-        return cls(CapSchedule.parse(text) if text else None)
+        (the real device), and an --emulate-allocator value (``"caching/1024"``; None or
+        ``"exact"``: exact bytes). ValueError for a text that is neither."""
+        return cls(CapSchedule.parse(text) if text else None, AllocatorEmulation.parse(allocator) if allocator else None)
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] = os.environ) -> DeviceSpec:
-        return cls.from_option(env.get(EMULATE_DEVICE_MEMORY_ENV))
+        return cls.from_option(env.get(EMULATE_DEVICE_MEMORY_ENV), env.get(EMULATE_ALLOCATOR_ENV))
 
     def or_environment(self, env: Mapping[str, str] = os.environ) -> DeviceSpec:
         """This spec; for the real device, what the environment asks: a runner started by hand
         with $OOMGUARD_EMULATE_DEVICE_MEMORY set emulates that capacity."""
-        return self if self.emulated else DeviceSpec.from_environment(env)
+        return self if self.emulated or self.allocator is not None else DeviceSpec.from_environment(env)
 
     def environment(self) -> dict[str, str]:
         """The variables that tell a command job's script this device (jobs/bootstrap)."""
-        return {EMULATE_DEVICE_MEMORY_ENV: str(self.emulated_capacity)} if self.emulated_capacity is not None else {}
+        env = {EMULATE_DEVICE_MEMORY_ENV: str(self.emulated_capacity)} if self.emulated_capacity is not None else {}
+        if self.allocator is not None:
+            env[EMULATE_ALLOCATOR_ENV] = str(self.allocator)
+        return env
 
     def to_dict(self) -> dict[str, Any]:
-        return {"emulated_capacity": str(self.emulated_capacity) if self.emulated_capacity is not None else None}
+        return {
+            "emulated_capacity": str(self.emulated_capacity) if self.emulated_capacity is not None else None,
+            "emulated_allocator": str(self.allocator) if self.allocator is not None else None,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceSpec:
-        return cls.from_option(data.get("emulated_capacity"))
+        return cls.from_option(data.get("emulated_capacity"), data.get("emulated_allocator"))

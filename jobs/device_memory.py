@@ -25,13 +25,15 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
+from oomguard.jobs.caching_allocator import AllocatorOutOfMemory, CachingAllocator
+from oomguard.jobs.emulated_allocator import AllocatorEmulation, expandable_segments
 from oomguard.strategies.units import format_torch_size
 
 __all__ = [
@@ -58,24 +60,30 @@ class OOMInfo:
     total: int
     breakdown: dict[str, int]
     message: str
+    # The caching allocator's num_alloc_retries when it refused (None: the exact emulation).
+    alloc_retries: int | None = None
 
 
 def cuda_oom_message(
-    requested: int, total: int, free: int, allocated: int, reserved: int, device_index: int = 0
+    requested: int, total: int, free: int, allocated: int, reserved: int, device_index: int = 0,
+    in_use: int | None = None, allowed: int | None = None,
 ) -> str:
     """The text of the CUDA caching allocator's OOM error (c10/cuda/CUDACachingAllocator.cpp).
 
-    Reproduces the PyTorch 2.x wording for the case of no memory fraction set ("allowed"
-    part absent), no CUDA-graph private pools, and this process as the only GPU user, so
-    that the NVML process line reads "Including non-PyTorch memory, this process has ...".
+    Reproduces the PyTorch 2.x wording with no CUDA-graph private pools and this process as
+    the only GPU user, so that the NVML process line reads "Including non-PyTorch memory,
+    this process has ...": ``in_use`` (reserved plus the process's non-PyTorch memory;
+    ``reserved`` when None). ``allowed``: the per-process limit that
+    set_per_process_memory_fraction set, printed as "X allowed; " where PyTorch prints it.
     The double spaces are PyTorch's.
     """
+    allowed_part = f"{format_torch_size(allowed)} allowed; " if allowed is not None else ""
     return (
         f"CUDA out of memory. Tried to allocate {format_torch_size(requested)}. "
         f"GPU {device_index} has a total capacity of {format_torch_size(total)} "
         f"of which {format_torch_size(free)} is free. "
-        f"Including non-PyTorch memory, this process has {format_torch_size(reserved)} memory in use. "
-        f"Of the allocated memory {format_torch_size(allocated)} is allocated by PyTorch, "
+        f"Including non-PyTorch memory, this process has {format_torch_size(reserved if in_use is None else in_use)} memory in use. "
+        f"{allowed_part}Of the allocated memory {format_torch_size(allocated)} is allocated by PyTorch, "
         f"and {format_torch_size(reserved - allocated)} is reserved by PyTorch but unallocated."
         " If reserved but unallocated memory is large try setting"
         " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid"
@@ -220,7 +228,24 @@ class EmulatedDevice:
         device_index: int = 0,
         groups: GroupsFn | None = None,
         count_moves: bool = False,
+        allocator: AllocatorEmulation | None = None,
+        expandable: bool | None = None,
     ) -> None:
+        # With ``allocator``, a model of PyTorch's caching allocator decides what is reserved
+        # and what is refused (jobs/caching_allocator.py); ``capacity`` is then PyTorch's
+        # per-process limit (as limit_cuda_memory sets it on a card), and ``overhead`` bytes
+        # of non-PyTorch memory (the CUDA context) come on top. ``expandable`` (None: as
+        # $PYTORCH_ALLOC_CONF says, read once, as torch reads it) turns expandable segments on.
+        self._caching: CachingAllocator | None = None
+        self.overhead = 0
+        if allocator is not None:
+            self.overhead = allocator.overhead_bytes
+            self._caching = CachingAllocator(
+                None, allocator.sizes, expandable_segments() if expandable is None else expandable, fraction=True
+            )
+        # The card this process is on, for the OOM message (memory_cap sets it on an emulated
+        # GPU): its total and what the other processes hold. None: the card is the capacity.
+        self.card: tuple[int, int] | None = None
         self.capacity = capacity
         self.device_index = device_index
         self.groups = groups
@@ -230,7 +255,8 @@ class EmulatedDevice:
         # keeps one Python object per live storage (all tensors viewing it return the
         # same one), so the id is stable while it lives and the weak reference dies
         # exactly when the storage is freed.
-        self._tracked: dict[int, tuple[weakref.ref[torch.UntypedStorage], int, int]] = {}
+        # The last element is the caching allocator's handle for the storage (None: exact).
+        self._tracked: dict[int, tuple[weakref.ref[torch.UntypedStorage], int, int, int | None]] = {}
         # Storages counted since the last mark() carry this generation (mark() and held_before_mark()).
         self._live = 0
         self._peak = 0
@@ -253,6 +279,8 @@ class EmulatedDevice:
             if value <= 0:
                 raise ValueError(f"capacity must be positive bytes or None, got {value}")
         self._capacity = value
+        if self._caching is not None:
+            self._caching.limit = value
 
     @property
     def live_bytes(self) -> int:
@@ -268,6 +296,42 @@ class EmulatedDevice:
 
     def reset_peak(self) -> None:
         self._peak = self._live
+        if self._caching is not None:
+            self._caching.reset_peak()
+
+    @property
+    def caching(self) -> bool:
+        """Whether the caching allocator is emulated (else the figures below are the exact ones)."""
+        return self._caching is not None
+
+    @property
+    def allocated_bytes(self) -> int:
+        """torch.cuda.memory_allocated: block sizes, rounded up, with the caching allocator."""
+        return self._caching.allocated if self._caching is not None else self._live
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return self._caching.peak_allocated if self._caching is not None else self._peak
+
+    @property
+    def reserved_bytes(self) -> int:
+        """torch.cuda.memory_reserved: what the allocator holds from the card (the exact
+        emulation reserves what is live)."""
+        return self._caching.reserved if self._caching is not None else self._live
+
+    @property
+    def peak_reserved_bytes(self) -> int:
+        return self._caching.peak_reserved if self._caching is not None else self._peak
+
+    @property
+    def alloc_retries(self) -> int | None:
+        """torch.cuda.memory_stats()["num_alloc_retries"] (None: the exact emulation)."""
+        return self._caching.num_alloc_retries if self._caching is not None else None
+
+    def empty_cache(self) -> None:
+        """torch.cuda.empty_cache: cached blocks go back to the card."""
+        if self._caching is not None:
+            self._caching.empty_cache()
 
     def mark(self) -> None:
         """Begin a new generation: storages counted from now on are younger than the mark."""
@@ -294,7 +358,7 @@ class EmulatedDevice:
             if st is None or id(st) in self._tracked:
                 continue
             nbytes = st.nbytes()
-            self._add(st, nbytes)
+            self._add(st, nbytes, self._allocate_anyway(nbytes))
             added += nbytes
         return added
 
@@ -306,9 +370,9 @@ class EmulatedDevice:
             if st is None or id(st) in self._tracked:
                 continue
             nbytes = st.nbytes()
-            if self._capacity is not None and self._live + nbytes > self._capacity:
+            if self._caching is None and self._capacity is not None and self._live + nbytes > self._capacity:
                 self._refuse(nbytes, self._capacity)
-            self._add(st, nbytes)
+            self._add(st, nbytes, self._allocate(nbytes))
 
     def move_out(self, tensors: Iterable[torch.Tensor | None]) -> None:
         """Tensors go back to the host (``model.to("cpu")``, a no-op on this CPU): no longer
@@ -353,9 +417,9 @@ class EmulatedDevice:
 
     # -- accounting (called by the mode after every op) --------------------------------
 
-    def _add(self, st: torch.UntypedStorage, nbytes: int) -> None:
+    def _add(self, st: torch.UntypedStorage, nbytes: int, handle: int | None = None) -> None:
         key = id(st)
-        self._tracked[key] = (weakref.ref(st, partial(self._release, key)), nbytes, self._generation)
+        self._tracked[key] = (weakref.ref(st, partial(self._release, key)), nbytes, self._generation, handle)
         # A single augmented assignment: a weakref callback (which runs on any decref
         # of a storage) cannot interleave and lose its decrement.
         self._live += nbytes
@@ -367,6 +431,8 @@ class EmulatedDevice:
         if entry is not None and entry[0] is ref:
             del self._tracked[key]
             self._live -= entry[1]
+            if entry[3] is not None:
+                self._caching.free(entry[3])  # type: ignore[union-attr]
 
     def _account_fresh(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         outputs = (out,) if isinstance(out, torch.Tensor) else tree_leaves(out)
@@ -386,6 +452,18 @@ class EmulatedDevice:
         if not new:
             return
         sizes = [(st, st.nbytes()) for st in new.values()]
+        if self._caching is not None:
+            handles: list[int] = []
+            try:
+                for _, nbytes in sizes:
+                    handles.append(self._allocate(nbytes))
+            except torch.OutOfMemoryError:
+                for handle in handles:  # the outputs allocated before the one refused die with the op
+                    self._caching.free(handle)
+                raise
+            for (st, nbytes), handle in zip(sizes, handles):
+                self._add(st, nbytes, handle)
+            return
         requested = sum(nbytes for _, nbytes in sizes)
         capacity = self._capacity
         if requested and capacity is not None and self._live + requested > capacity:
@@ -411,13 +489,63 @@ class EmulatedDevice:
         growth = nbytes - entry[1]
         if growth == 0:
             return
+        handle = entry[3]
+        if self._caching is not None:
+            # A storage resized is a new block and the old one freed (as c10 reallocates).
+            handle = self._allocate(nbytes)
+            if entry[3] is not None:
+                self._caching.free(entry[3])
         capacity = self._capacity
-        if growth > 0 and capacity is not None and self._live + growth > capacity:
+        if self._caching is None and growth > 0 and capacity is not None and self._live + growth > capacity:
             self._refuse(growth, capacity)
-        self._tracked[id(st)] = (entry[0], nbytes, entry[2])
+        self._tracked[id(st)] = (entry[0], nbytes, entry[2], handle)
         self._live += growth
         if self._live > self._peak:
             self._peak = self._live
+
+    def _allocate(self, nbytes: int) -> int | None:
+        """The caching allocator's block for a new storage (None: the exact emulation); its
+        refusal is PyTorch's OOM."""
+        if self._caching is None:
+            return None
+        try:
+            return self._caching.malloc(nbytes)
+        except AllocatorOutOfMemory as error:
+            self._refuse_caching(error.oom.requested)
+
+    def _allocate_anyway(self, nbytes: int) -> int | None:
+        """A block for a storage that exists already (``track``): never refused, as the exact
+        emulation never refuses one; an over-full device fails at the next allocation."""
+        if self._caching is None:
+            return None
+        limit, self._caching.limit = self._caching.limit, None
+        try:
+            return self._caching.malloc(nbytes)
+        finally:
+            self._caching.limit = limit
+
+    def _refuse_caching(self, requested: int) -> NoReturn:
+        """The caching allocator refused ``requested`` bytes: PyTorch's OOM with its figures."""
+        caching = self._caching
+        assert caching is not None
+        allocated, reserved = caching.allocated, caching.reserved
+        in_use = reserved + self.overhead
+        if self.card is not None:  # an emulated GPU: the limit is a fraction of the card
+            total, others = self.card
+            allowed = self._capacity
+        else:  # alone on a card that is the capacity and the overhead
+            total, others, allowed = (self._capacity or reserved) + self.overhead, 0, None
+        free = max(total - others - in_use, 0)
+        message = cuda_oom_message(
+            requested=requested, total=total, free=free, allocated=allocated, reserved=reserved,
+            device_index=self.device_index, in_use=in_use, allowed=allowed,
+        )
+        self._oom_count += 1
+        self.last_oom = OOMInfo(
+            requested=requested, allocated=allocated, reserved=reserved, free=free, total=total,
+            breakdown=self._breakdown(), message=message, alloc_retries=caching.num_alloc_retries,
+        )
+        raise torch.OutOfMemoryError(message)
 
     def _refuse(self, requested: int, capacity: int) -> None:
         allocated = self._live

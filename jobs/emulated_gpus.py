@@ -151,16 +151,21 @@ class AssignedGpu:
         local_rank = int(env.get("LOCAL_RANK", "0") or 0)
         return cls(EmulatedGpuFolder(Path(root)), int(visible[local_rank % len(visible)] or 0))
 
+    def card(self, pid: int) -> tuple[int, int]:
+        """The card's total and what every process on it but ``pid`` holds now (bytes)."""
+        return self.folder.gpu(self.index).total, self.folder.used_by_others(self.index, pid)
+
     def capacity_for(self, pid: int) -> int:
         """The card's total less what every other process on it holds now."""
         return max(self.folder.gpu(self.index).total - self.folder.used_by_others(self.index, pid), 1)
 
 
-def emulated_capacity(schedule: CapSchedule | None, gpu: AssignedGpu | None, step: int) -> int | None:
-    """The emulated capacity at ``step``: the schedule's, within the GPU's room now (None: no
-    cap). The runner and the bootstrap of command jobs both take it from here."""
+def emulated_capacity(schedule: CapSchedule | None, gpu: AssignedGpu | None, step: int, overhead: int = 0) -> int | None:
+    """The emulated capacity at ``step``: the schedule's, within the GPU's room now less the
+    process's ``overhead`` of non-PyTorch memory (None: no cap). The runner and the bootstrap
+    of command jobs both take it from here."""
     limits = [schedule.limit_at(step)] if schedule is not None else []
     if gpu is not None:
-        limits.append(gpu.capacity_for(os.getpid()))
+        limits.append(max(gpu.capacity_for(os.getpid()) - overhead, 1))
     known = [limit for limit in limits if limit is not None]
     return min(known) if known else None

@@ -101,7 +101,7 @@ def encoded_in_chunks(what: str, items: list[Any], chunk: int, encode: Any, memo
             ran_out = True
         if ran_out:
             # Out of the except block: the traceback, and the tensors it holds, are gone.
-            free()
+            free(memory)
             chunk = max(1, chunk // 2)
             print(f"{what.split(':')[0]}: out of memory encoding {len(batch)} at once; now {chunk} at a time", flush=True)
             continue

@@ -64,6 +64,8 @@ class PlanRecord:
     optimizer is not steady: its state appears only in that step)."""
 
     peaks: list[int] = field(default_factory=list)
+    # The caching allocator's reserved peaks, where the device reports them.
+    reserved: list[int] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
     capacity: int | None = None
     static: dict[str, int] = field(default_factory=dict)
@@ -324,7 +326,7 @@ class AttemptRun:
         plan that worked, whatever ran out (in this process, or in a new one: "replan")."""
         training = self.training
         assert training is not None
-        free(training)
+        free(self.memory, training)
         leftover = self.ranks.largest(unfit_to_continue(self.memory, training.resident_bytes()) or 0) or None
         change = self.ranks.from_main(lambda: self._answer_to_oom(oom, leftover))
         if change is None:
@@ -358,7 +360,7 @@ class AttemptRun:
         training = self.training
         assert training is not None
         record = self.records.get(training.plan)
-        contention = find_contention(oom.memory, max(record.peaks) if record and record.peaks else None)
+        contention = find_contention(oom.memory, max(record.reserved or record.peaks) if record and record.peaks else None)
         if contention is not None:
             # Not the job's doing: no rung. The daemon waits for the memory to come back and
             # runs the same plan from the checkpoint.
@@ -417,6 +419,9 @@ class AttemptRun:
         if self.steps_in_process > 1:
             record = self.records.setdefault(training.plan, PlanRecord())
             record.peaks.append(self.memory.peak_bytes() or 0)
+            reserved = self.memory.peak_reserved()
+            if reserved is not None:
+                record.reserved.append(reserved)
             record.rates.append(samples_per_s)
             record.capacity = self.memory.capacity()
             record.static = training.static_bytes()
@@ -558,7 +563,10 @@ def _newest_usable(
 
 def _steady(records: dict[Plan, PlanRecord]) -> list[Measurement]:
     return [
-        Measurement(plan=p, fits=True, peak_bytes=max(r.peaks), capacity=r.capacity, samples_per_s=statistics.median(r.rates), static=r.static)
+        Measurement(
+            plan=p, fits=True, peak_bytes=max(r.peaks), capacity=r.capacity, samples_per_s=statistics.median(r.rates), static=r.static,
+            reserved_bytes=max(r.reserved) if r.reserved else None,
+        )
         for p, r in records.items()
         if r.peaks
     ]

@@ -23,6 +23,7 @@ import torch
 
 from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.device_memory import EmulatedDevice, limit_cuda_memory
+from oomguard.jobs.emulated_allocator import AllocatorEmulation
 from oomguard.jobs.emulated_gpus import AssignedGpu, emulated_capacity
 from oomguard.jobs.sizes import CapSchedule
 from oomguard.strategies.oom_figures import requested_bytes
@@ -34,11 +35,11 @@ GroupsFn = Callable[[], Mapping[str, Iterable[torch.Tensor | None]]]
 def open_device_memory(spec: DeviceSpec, device: torch.device, groups: GroupsFn | None = None, gpu: AssignedGpu | None = None) -> DeviceMemory:
     """The device memory ``spec`` describes, on ``device``. ``groups`` names the tensors for
     an emulated OOM's breakdown; ``gpu`` is the emulated GPU the runner was placed on, if any
-    (ignored on a CUDA machine: a real card is real)."""
+    (ignored on a CUDA machine: a real card is real, and so is its allocator)."""
     if device.type == "cuda":
         return CudaMemory(device, spec.emulated_capacity)
     if spec.emulated_capacity is not None or gpu is not None:
-        return EmulatedMemory(spec.emulated_capacity, gpu, groups)
+        return EmulatedMemory(spec.emulated_capacity, gpu, groups, spec.allocator)
     return HostMemory()
 
 
@@ -103,10 +104,20 @@ class DeviceMemory:
         return None
 
     def peak_bytes(self) -> int | None:
+        """The most bytes allocated since ``reset_peak`` (torch.cuda.max_memory_allocated)."""
+        return None
+
+    def peak_reserved(self) -> int | None:
+        """The most bytes the allocator held from the card since ``reset_peak``
+        (torch.cuda.max_memory_reserved): what a plan needs of a card. None: the same as
+        ``peak_bytes`` (the exact emulation) or nothing known."""
         return None
 
     def reset_peak(self) -> None:
         return None
+
+    def empty_cache(self) -> None:
+        """Give the allocator's cached blocks back to the card (torch.cuda.empty_cache)."""
 
     def others_bytes(self) -> int | None:
         """What the other processes on this GPU hold now (None: not known here)."""
@@ -164,8 +175,14 @@ class CudaMemory(DeviceMemory):
     def peak_bytes(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device)
 
+    def peak_reserved(self) -> int | None:
+        return torch.cuda.max_memory_reserved(self.device)
+
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
 
     def others_bytes(self) -> int | None:
         # Everything on the card that is not in our caching allocator (our CUDA context
@@ -198,9 +215,14 @@ class CudaMemory(DeviceMemory):
 
 class EmulatedMemory(DeviceMemory):
     """The emulated device: counts the live bytes of real tensors and raises PyTorch's OOM at
-    the capacity, the schedule's within an emulated GPU's room (either may be None)."""
+    the capacity, the schedule's within an emulated GPU's room (either may be None). With
+    ``allocator`` (--emulate-allocator caching), PyTorch's caching allocator is emulated too:
+    the capacity bounds what it reserves, and its non-PyTorch overhead takes room on a GPU."""
 
-    def __init__(self, schedule: CapSchedule | None, gpu: AssignedGpu | None = None, groups: GroupsFn | None = None) -> None:
+    def __init__(
+        self, schedule: CapSchedule | None, gpu: AssignedGpu | None = None, groups: GroupsFn | None = None,
+        allocator: AllocatorEmulation | None = None,
+    ) -> None:
         super().__init__()
         self.schedule = schedule
         # An emulated GPU shared with other processes.
@@ -208,7 +230,8 @@ class EmulatedMemory(DeviceMemory):
         self._published: int | None = None
         self._published_at = 0.0
         index = gpu.index if gpu is not None else 0
-        self.emulated = EmulatedDevice(capacity=emulated_capacity(schedule, gpu, 0), device_index=index, groups=groups)
+        self.emulated = EmulatedDevice(capacity=None, device_index=index, groups=groups, allocator=allocator)
+        self._apply_capacity(0)
 
     def __enter__(self) -> EmulatedMemory:
         self.emulated.__enter__()
@@ -218,7 +241,10 @@ class EmulatedMemory(DeviceMemory):
         self.emulated.__exit__(*exc_info)
 
     def _apply_capacity(self, step: int) -> None:
-        self.emulated.capacity = emulated_capacity(self.schedule, self.gpu, step)
+        overhead = self.emulated.overhead
+        self.emulated.capacity = emulated_capacity(self.schedule, self.gpu, step, overhead)
+        if self.gpu is not None and self.emulated.caching:
+            self.emulated.card = self.gpu.card(os.getpid())
 
     def capacity(self) -> int | None:
         return self.emulated.capacity
@@ -248,10 +274,16 @@ class EmulatedMemory(DeviceMemory):
         return self.emulated.live_bytes
 
     def peak_bytes(self) -> int | None:
-        return self.emulated.peak_bytes
+        return self.emulated.peak_allocated_bytes
+
+    def peak_reserved(self) -> int | None:
+        return self.emulated.peak_reserved_bytes if self.emulated.caching else None
 
     def reset_peak(self) -> None:
         self.emulated.reset_peak()
+
+    def empty_cache(self) -> None:
+        self.emulated.empty_cache()
 
     def others_bytes(self) -> int | None:
         if self.gpu is None:
@@ -260,10 +292,12 @@ class EmulatedMemory(DeviceMemory):
 
     def publish(self, *, force: bool = False) -> None:
         """Tell the emulated GPU what this process holds: the last step's peak, as a caching
-        allocator keeps it reserved. Written when it changes, at most twice a second."""
+        allocator keeps it reserved (with the caching allocator emulated: what it reserved at
+        most, and the process's non-PyTorch memory). Written when it changes, at most twice a
+        second."""
         if self.gpu is None:
             return
-        held = self.emulated.peak_bytes
+        held = self.emulated.peak_reserved_bytes + self.emulated.overhead
         now = time.monotonic()
         if held != self._published and (force or now - self._published_at >= 0.5):
             self.gpu.folder.publish(self.gpu.index, os.getpid(), held, "runner")
@@ -282,7 +316,10 @@ class EmulatedMemory(DeviceMemory):
             allocated=info.allocated,
             reserved=info.reserved,
             free=info.free,
-            total=info.total,
+            # What PyTorch could have had (as CudaMemory.capacity): the card less the
+            # process's non-PyTorch memory, within the limit.
+            total=self.capacity() if self.emulated.caching else info.total,
             breakdown=dict(info.breakdown),
+            alloc_retries=info.alloc_retries,
             **self._others(),
         )

@@ -72,10 +72,12 @@ def measure(
             one_step(trainer, training, step, memory, control)
         memory.reset_peak()
         result = one_step(trainer, training, step, memory, control)
+        reserved = memory.peak_reserved()  # None on every rank alike (the same kind of device)
         ran = Measurement(
             plan=plan,
             fits=True,
             peak_bytes=ranks.largest(memory.peak_bytes() or 0),
+            reserved_bytes=ranks.largest(reserved) if reserved is not None else None,
             capacity=ranks.smallest(memory.capacity()),
             samples_per_s=plan.batch_size / ranks.longest(result.seconds),
             static=training.static_bytes(),
@@ -88,7 +90,7 @@ def measure(
         pass
     failure: tuple[Measurement, Outcome] | None = None
     if ran is None:
-        free(training)  # the failed step's gradients, before the ranks meet
+        free(memory, training)  # the failed step's gradients, before the ranks meet
         sharded = rungs.sharded(plan)
         if sharded and oom is not None:
             raise RankAlone(oom, (oom_measurement(plan, oom.memory, training, 0),))
@@ -97,7 +99,7 @@ def measure(
         failure = oom_measurement(plan, agreed.memory, training, 0), agreed
     # The model and optimizer die here (nothing returned holds a tensor).
     training = None
-    free()
+    free(memory)
     return (ran, None) if ran is not None else failure  # type: ignore[return-value]
 
 

@@ -113,7 +113,7 @@ class Sampler:
             except torch.OutOfMemoryError as error:
                 ran_out = str(error).splitlines()[0]
             # Out of the except block: the traceback, and the tensors it holds, are gone.
-            free()
+            free(memory)
             if self.level + 1 == len(LADDER):
                 self.say(f"sampling at step {step}: out of memory with {settings.describe()} ({ran_out}); samples skipped, training goes on")
                 return []

@@ -37,7 +37,9 @@ def _schedule() -> CapSchedule | None:
 
 
 def capacity_from_environment(steps_done: int = 0) -> int | None:
-    return emulated_capacity(_schedule(), AssignedGpu.from_environment(), steps_done)
+    allocator = DeviceSpec.from_environment().allocator
+    overhead = allocator.overhead_bytes if allocator is not None else 0
+    return emulated_capacity(_schedule(), AssignedGpu.from_environment(), steps_done, overhead)
 
 
 def enter_emulated_device(capacity: int) -> None:
@@ -46,17 +48,27 @@ def enter_emulated_device(capacity: int) -> None:
     from oomguard.jobs.device_memory import EmulatedDevice
 
     gpu = AssignedGpu.from_environment()
-    device = EmulatedDevice(capacity=capacity, device_index=gpu.index if gpu else 0, count_moves=True)
+    device = EmulatedDevice(
+        capacity=capacity, device_index=gpu.index if gpu else 0, count_moves=True, allocator=DeviceSpec.from_environment().allocator,
+    )
+    _place_on_card(device, gpu)
     device.__enter__()
     _DEVICE.append(device)
     oomguard_progress.device_memory = device
 
     def at_step(step: int) -> None:
         device.capacity = capacity_from_environment(step)
+        _place_on_card(device, gpu)
 
     schedule = _schedule()
     if schedule is not None and len(schedule.entries) > 1:  # the capacity changes at some step
         oomguard_progress.on_step(at_step)
+
+
+def _place_on_card(device: Any, gpu: AssignedGpu | None) -> None:
+    """Tell the caching allocator's emulation the card it is on, for its OOM message."""
+    if gpu is not None and device.caching:
+        device.card = gpu.card(os.getpid())
 
 
 def _on_torch_loaded(capacity: int) -> None:

@@ -121,6 +121,7 @@ def _measurement(records: list[dict[str, Any]], plan: Plan) -> Measurement | Non
         # with the micro-batch (memory_model.Line.fixed for this plan's shape).
         static={"resident": max(r for r in resident if r is not None)} if any(r is not None for r in resident) else {},
         step=_int(steady[-1].get("step")),
+        reserved_bytes=max(reserved) if (reserved := [v for r in steady if (v := _int(r.get("reserved_bytes"))) is not None]) else None,
     )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 from typing import TYPE_CHECKING
 
-import torch
 
 from oomguard.jobs.memory_cap import DeviceMemory
 from oomguard.jobs.rank_group import RankGroup
@@ -25,15 +24,14 @@ def oom_measurement(plan: Plan, figures: MemoryFigures, training: Training | Non
     return figures.measurement(plan, step, training.static_bytes() if training is not None else None)
 
 
-def free(training: Training | None = None) -> None:
+def free(memory: DeviceMemory, training: Training | None = None) -> None:
     """Give memory back after an OOM or a probe: drop gradients, collect cycles, and return
     cached blocks to the device. Called outside any except block, so that the traceback and
     the tensors it holds are gone already."""
     if training is not None:
         training.optimizer.zero_grad(set_to_none=True)
     gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    memory.empty_cache()
 
 
 # Bytes a failed step may leave on the device, as a share of the capacity, before the process

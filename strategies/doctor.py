@@ -170,7 +170,7 @@ def _after_divergence(outcome: Outcome, plan: Plan, history: Sequence[PastAttemp
 
 def steady_peak(outcome: Outcome, plan: Plan) -> int | None:
     """The peak ``plan`` had over its steady steps in the attempt, when it ran any."""
-    peaks = [m.peak_bytes for m in outcome.measurements if m.fits and m.plan == plan]
+    peaks = [m.held_bytes for m in outcome.measurements if m.fits and m.plan == plan]
     return max(peaks) if peaks else None
 
 

@@ -43,6 +43,19 @@ MARGIN_PREDICTED = 0.15
 # A plan whose own step was measured: only run-to-run jitter (allocator, a longer caption,
 # another timestep) is left, so a small margin is enough.
 MARGIN_RAN = 0.03
+# The most a caching allocator's reserve over what is allocated is taken to be (the lines
+# predict allocated bytes; a card must hold the reserve too): beyond this the measurement is
+# read as a cache left over from other work rather than the plan's own.
+RESERVE_FACTOR_LIMIT = 2.0
+
+
+def reserve_factor(measurements: Iterable[Measurement]) -> float:
+    """How much more than its allocated peak a plan of this job holds of the card: the largest
+    reserved-over-allocated ratio its steady runs measured (1.0 where none reported reserved
+    bytes). A caching allocator rounds requests and keeps freed blocks cached; the planner
+    multiplies its predictions by this factor, so the margins stay margins."""
+    ratios = [m.reserved_bytes / m.peak_bytes for m in measurements if m.fits and m.reserved_bytes is not None and m.peak_bytes > 0]
+    return min(max(ratios, default=1.0), RESERVE_FACTOR_LIMIT) if ratios else 1.0
 
 
 @dataclass(frozen=True)
@@ -50,8 +63,10 @@ class Measurement:
     """What one plan did on the device.
 
     ``fits``: a whole step ran and ``peak_bytes`` is its steady peak (optimizer state
-    included). Otherwise the plan ran out of memory and ``peak_bytes`` is the bytes in use
-    plus the failed request, a lower bound of its peak at ``capacity``.
+    included), in bytes allocated; ``reserved_bytes`` the most its caching allocator held
+    from the card meanwhile (None where the device reserves what it allocates: the exact
+    emulation, or not known). Otherwise the plan ran out of memory and ``peak_bytes`` is the
+    bytes in use plus the failed request, a lower bound of its peak at ``capacity``.
     ``static`` holds the bytes of ``parameters`` (on the device), ``trainable`` parameters
     and device ``optimizer_state`` when the runner knew them; for a command job's script, the
     ``resident`` bytes it held between steps.
@@ -64,6 +79,12 @@ class Measurement:
     samples_per_s: float | None = None
     static: dict[str, int] = field(default_factory=dict)
     step: int | None = None
+    reserved_bytes: int | None = None
+
+    @property
+    def held_bytes(self) -> int:
+        """What the plan took of the card: reserved where known, else allocated."""
+        return self.reserved_bytes if self.reserved_bytes is not None else self.peak_bytes
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -186,6 +207,7 @@ class MemoryModel:
             if line is not None:
                 self._lines[shape] = line
         self._observed = observed_activation_factors(self._lines)
+        self.reserve_factor = reserve_factor(self.measurements)
 
     # -- memory -------------------------------------------------------------------------
 
@@ -272,8 +294,14 @@ class MemoryModel:
         return Line(static.total, per_sample, measured=False)
 
     def predicted_peak(self, plan: Plan) -> float | None:
+        """The allocated bytes ``plan`` would peak at."""
         line = self.line(plan)
         return None if line is None else line.peak(plan.micro_batch)
+
+    def predicted_held(self, plan: Plan) -> float | None:
+        """What ``plan`` would take of the card: its peak with the allocator's reserve."""
+        peak = self.predicted_peak(plan)
+        return None if peak is None else peak * self.reserve_factor
 
     def fits(self, plan: Plan, capacity: int, *, optimistic: bool = False) -> bool | None:
         """Whether ``plan`` should fit ``capacity`` with a safety margin (None: no idea).
@@ -286,13 +314,15 @@ class MemoryModel:
             # What ran out of memory at this capacity or more does not fit now either.
             if not m.fits and measured == key and (m.capacity is None or m.capacity >= capacity):
                 return False
-        ran = [m.peak_bytes for m, measured in self._measured_as if m.fits and measured == key]
+        ran = [m.held_bytes for m, measured in self._measured_as if m.fits and measured == key]
         if ran:
             return max(ran) <= capacity * (1 - MARGIN_RAN)
         line = self.line(plan)
         if line is None:
             return None
         margin = MARGIN_RAN if optimistic else MARGIN_MEASURED if line.measured else MARGIN_PREDICTED
+        # The line predicts allocated bytes; the card must hold what the allocator reserves.
+        capacity = capacity / self.reserve_factor
         if optimistic and line.one_size is not None and plan.world_size > 1:
             # On several processes the static terms are rough (gathered blocks, sharded
             # gradients held through a step's micro-batches): what one size measured above them

@@ -75,7 +75,7 @@ def _daemon(args: argparse.Namespace) -> int:
     wake = threading.Event()
     spool = Spool(state.inbox, state.accepted, state.rejected, arrived=wake)
     supervisor = Supervisor(
-        state, store, max_parallel=max_parallel, device=device_from_option(args.emulate_device_memory), on_event=print_event,
+        state, store, max_parallel=max_parallel, device=device_from_option(args.emulate_device_memory, args.emulate_allocator), on_event=print_event,
         spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
         max_user_priority=max_user_priority, launcher=launcher, forget_after_seconds=_forget_after(args.forget_after),
     )

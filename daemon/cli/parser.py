@@ -12,6 +12,7 @@ from pathlib import Path
 
 from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_PAGE_SIZE, STATUS_QUEUED_SHOWN
 from oomguard.jobs.device import EMULATE_DEVICE_MEMORY_ENV
+from oomguard.jobs.emulated_allocator import EMULATE_ALLOCATOR_ENV
 
 
 def _handler(module: str, function: str) -> Callable[[argparse.Namespace], int]:
@@ -42,10 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_emulate_device_memory(command: argparse.ArgumentParser) -> None:
-    """--emulate-device-memory, which `daemon` and `run` both take."""
+    """--emulate-device-memory and --emulate-allocator, which `daemon` and `run` both take."""
     command.add_argument(
         "--emulate-device-memory", metavar="SIZE", default=os.environ.get(EMULATE_DEVICE_MEMORY_ENV),
         help=f"emulated device capacity, e.g. 48MiB or 64MiB,40MiB@15 (default: ${EMULATE_DEVICE_MEMORY_ENV})",
+    )
+    command.add_argument(
+        "--emulate-allocator", metavar="MODE", default=os.environ.get(EMULATE_ALLOCATOR_ENV),
+        help="how the emulated device allocates: exact (live bytes, the default), caching (PyTorch's caching allocator: "
+        f"rounding, reserved memory, fragmentation, a 512 MiB context), caching/1024 (its sizes divided by 1024), "
+        f"each with ,overhead=SIZE (default: ${EMULATE_ALLOCATOR_ENV})",
     )
 
 

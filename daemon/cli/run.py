@@ -40,7 +40,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         spec = load_job_file(Path(args.file))
     except JobFileError as error:
         raise CliError(f"rejected: {error}") from None
-    device = device_from_option(args.emulate_device_memory)
+    device = device_from_option(args.emulate_device_memory, args.emulate_allocator)
     workdir = Path(args.workdir).resolve()
     if (workdir / "final").exists():
         raise CliError(f"{workdir} already holds a finished run ({workdir / 'final'}); choose another --workdir or remove it")

@@ -17,6 +17,7 @@ from oomguard.daemon.store_rows import AttemptRow, JobRow, RequestRow
 from oomguard.daemon.users import user_name
 from oomguard.jobs.attempt import HEARTBEAT, read_json
 from oomguard.jobs.device import DeviceSpec
+from oomguard.jobs.emulated_allocator import AllocatorEmulation
 from oomguard.jobs.sizes import CapSchedule
 from oomguard.strategies.errors import AmbiguousJobName, InboxNameTaken, JobNotFound
 
@@ -25,13 +26,17 @@ def current_user() -> str:
     return pwd.getpwuid(os.getuid()).pw_name
 
 
-def device_from_option(text: str | None) -> DeviceSpec:
-    """The device an --emulate-device-memory value asks for (None: the real one), parsed once;
-    a value that is not a capacity schedule is the user's error."""
-    if text is None:
-        return DeviceSpec()
+def device_from_option(text: str | None, allocator: str | None = None) -> DeviceSpec:
+    """The device an --emulate-device-memory value asks for (None: the real one) and how it
+    allocates (--emulate-allocator), parsed once; a value that is neither is the user's error."""
     try:
-        return DeviceSpec(CapSchedule.parse(text))  # "" too is a value, and not a schedule
+        emulated_allocator = AllocatorEmulation.parse(allocator) if allocator is not None else None
+    except ValueError as error:
+        raise CliError(f"--emulate-allocator: {error}") from None
+    if text is None:
+        return DeviceSpec(allocator=emulated_allocator)
+    try:
+        return DeviceSpec(CapSchedule.parse(text), emulated_allocator)  # "" too is a value, and not a schedule
     except ValueError as error:
         raise CliError(f"--emulate-device-memory: {error}") from None
 

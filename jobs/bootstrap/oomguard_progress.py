@@ -93,21 +93,23 @@ def _is_rank_zero():
 
 
 def _memory(torch, optimizer):
-    """(peak bytes since the last step, capacity, bytes that stay on the device between
-    steps), then a new window. On the emulated device what stays is what outlived the step
-    plus the gradients (made anew in each step's backward), not the outputs of the last
-    micro-batch that the script still holds; on a GPU it is everything allocated now."""
+    """(peak bytes allocated since the last step, capacity, bytes that stay on the device
+    between steps, peak bytes reserved or None), then a new window. On the emulated device
+    what stays is what outlived the step plus the gradients (made anew in each step's
+    backward), not the outputs of the last micro-batch that the script still holds; on a GPU
+    it is everything allocated now."""
     device = device_memory
     if device is not None:
-        figures = (device.peak_bytes, device.capacity, device.held_before_mark() + _gradient_bytes(optimizer))
+        reserved = device.peak_reserved_bytes if device.caching else None
+        figures = (device.peak_allocated_bytes, device.capacity, device.held_before_mark() + _gradient_bytes(optimizer), reserved)
         device.reset_peak()
         device.mark()
         return figures
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        figures = (torch.cuda.max_memory_allocated(), None, torch.cuda.memory_allocated())
+        figures = (torch.cuda.max_memory_allocated(), None, torch.cuda.memory_allocated(), torch.cuda.max_memory_reserved())
         torch.cuda.reset_peak_memory_stats()
         return figures
-    return (None, None, None)
+    return (None, None, None, None)
 
 
 def _gradient_bytes(optimizer):
@@ -141,7 +143,7 @@ def _after_optimizer_step(torch, optimizer):
     state.last_step_at = now
     reporting = _is_rank_zero() and os.environ.get(ATTEMPT_DIR_ENV)
     # The step's own figures, under the capacity it ran with, before a listener moves it on.
-    peak, capacity, resident = _memory(torch, optimizer) if reporting else (None, None, None)
+    peak, capacity, resident, reserved = _memory(torch, optimizer) if reporting else (None, None, None, None)
     for listener in state.listeners:
         listener(state.step)
     if not reporting:
@@ -157,6 +159,8 @@ def _after_optimizer_step(torch, optimizer):
         "samples_per_s": batch_size / seconds if batch_size and seconds else None,
         "samples": state.step * batch_size if batch_size else None,
         "peak_bytes": peak,
+        # What the caching allocator held from the card at most (a card must hold it).
+        "reserved_bytes": reserved,
         "capacity_bytes": capacity,
         # What stays on the device between steps (weights, optimizer state, gradients): the part
         # of the peak that does not grow with the micro-batch, for the memory model.
