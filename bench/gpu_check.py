@@ -26,6 +26,21 @@ torchao's ``CPUOffloadOptimizer`` (which copies each gradient in backward and ke
 gpu-offload.md/json. torchao's asserts CUDA or XPU, so the dry run times ours alone (tiny UNet)
 and says why. The product switches implementations only on such a measurement.
 
+A fifth part, *allocator* (``--cases allocator``, never by default), calibrates the emulation of
+PyTorch's caching allocator (jobs/caching_allocator.py, ``--emulate-allocator caching``): the
+jobs bench/jobs/conv32.toml and attn32.toml (``--allocator-jobs``), each at its whole batch, half
+of it, and half with gradient checkpointing, ``--allocator-steps`` (3) steps each, with
+expandable segments off and on (a process each: torch reads $PYTORCH_ALLOC_CONF when CUDA
+initialises), trained (a) on the card, uncapped: each step's ``max_memory_allocated`` and
+``max_memory_reserved``, and the process's memory outside PyTorch at quiet moments (NVML's
+per-process used memory less ``memory_reserved``, else ``mem_get_info``'s total - free less
+``memory_reserved``), the measured overhead against the emulation's 512 MiB default; and (b) on
+the CPU under the caching emulation with divisor 1 (PyTorch's own sizes), the same plans: peak
+allocated and reserved, side by side with the card's and the ratio emulated / card reserved.
+Without CUDA (or with ``--dry-run``) the CPU half runs alone, without the exit status 2 of the
+other parts, and the results say that the card half was skipped and why. Results in
+gpu-allocator.md/json (gpu-dry-run-allocator.md/json for the CPU half alone).
+
 The rest of this docstring is the unet part.
 
 The model is ``diffusers.UNet2DConditionModel`` with SD 1.5's UNet config (written inline
@@ -310,6 +325,14 @@ class ConditionalTrainer:
 
     def frozen_sizes(self) -> dict[str, int]:
         return {}
+
+    # Every step's batch has the same shape (no aspect-ratio buckets): the loop asks at every
+    # step, the probe asks which step to measure at (jobs/trainers/base.py's Trainer protocol).
+    def step_bucket(self, step: int) -> None:
+        return None
+
+    def heaviest_step(self) -> int:
+        return 0
 
 
 def cuda_peaks() -> dict[str, int | None]:
@@ -1166,7 +1189,7 @@ def machine_info(dry_run: bool) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- main
 
 
-CASES = ("unet", "t2i", "multi", "offload")
+CASES = ("unet", "t2i", "multi", "offload", "allocator")
 
 
 def parse_options() -> argparse.Namespace:
@@ -1175,8 +1198,9 @@ def parse_options() -> argparse.Namespace:
     parser.add_argument("--cases",
                         help="which parts run, comma-separated: unet (the SD 1.5 UNet through the runner, sweep and oracle), "
                              "t2i (text-to-image jobs through `oomguard run`), multi (a job on one and on two capped GPUs: "
-                             "bench/gpu_check_multi.py), offload (oomguard's offloaded optimizer against torchao's CPUOffloadOptimizer) "
-                             "(default: unet and t2i, and on a GPU offload, and multi where there are 2 or more GPUs)")
+                             "bench/gpu_check_multi.py), offload (oomguard's offloaded optimizer against torchao's CPUOffloadOptimizer), "
+                             "allocator (the caching allocator's emulation against the card's peaks and non-PyTorch memory; its CPU half "
+                             "runs without a GPU) (default: unet and t2i, and on a GPU offload, and multi where there are 2 or more GPUs)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where the results go (default: bench/results)")
     parser.add_argument("--budget", type=float,
                         help=f"seconds for the whole check (default: {GPU_BUDGET_S:.0f}, {t2i.T2I_SHARE * 100:.0f}%% of it for t2i when both run; "
@@ -1193,9 +1217,12 @@ def parse_options() -> argparse.Namespace:
     parser.add_argument("--t2i-allow", help="t2i: the jobs' ladder.allow, comma-separated, or 'all' (default: the exact rungs)")
     parser.add_argument("--t2i-case-seconds", type=float, help=f"t2i: at most this many seconds per case (default: {t2i.CASE_CAP_S['sd15']:.0f}; "
                                                                            "the rest of the budget with --dry-run)")
+    parser.add_argument("--allocator-jobs", help=f"allocator: bench/jobs/NAME.toml names, comma-separated (default: {','.join(ALLOCATOR_JOBS)})")
+    parser.add_argument("--allocator-steps", type=int, help=f"allocator: steps per plan (default: {ALLOCATOR_STEPS})")
     parser.add_argument("--keep-workdirs", action="store_true", help="keep the attempts' workdirs (printed; an SD 1.5 checkpoint is 10 GB)")
     parser.add_argument("--worker-attempt", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker-measure", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-allocator", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     # Without --cases: unet and t2i, and multi once main() has seen two GPUs.
     args.default_cases = args.cases is None
@@ -1212,10 +1239,14 @@ def main() -> int:
         return attempt_worker(args.worker_attempt)
     if args.worker_measure:
         return measure_worker()
+    if args.worker_allocator is not None:
+        return allocator_worker(args.worker_allocator)
 
     import torch
 
-    if not args.dry_run and not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    # The allocator case alone runs without CUDA: its CPU half, and it says the card half was skipped.
+    if not args.dry_run and not cuda and args.cases != ["allocator"]:
         print(NO_CUDA, file=sys.stderr)
         if "t2i" in args.cases:
             print(t2i.skipped_without_cuda(), file=sys.stderr)
@@ -1229,7 +1260,7 @@ def main() -> int:
     # The UNet check runs first, in its share; the t2i cases get the rest (and what the UNet left).
     share = (t2i.DRY_RUN_SECONDS / (DRY_RUN_BUDGET_S + t2i.DRY_RUN_SECONDS)) if args.dry_run else t2i.T2I_SHARE
     unet_budget = budget * (1 - share) if "t2i" in args.cases else budget
-    machine = machine_info(args.dry_run)
+    machine = machine_info(args.dry_run or not cuda)
     command = ".venv/bin/python bench/gpu_check.py " + " ".join(a if " " not in a else repr(a) for a in sys.argv[1:])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **(THREAD_ENV if args.dry_run else {})}
     t2i_settings = t2i_options(args, machine, command, env) if "t2i" in args.cases else None
@@ -1247,7 +1278,9 @@ def main() -> int:
         status |= multi_check(args, env)
     if "offload" in args.cases or (args.default_cases and not args.dry_run):
         status |= offload_check(args, machine, command)
-    log(f"the check took {elapsed():.0f}s of its {budget:.0f}s budget")
+    if "allocator" in args.cases:
+        status |= allocator_check(args, machine, command, env, cuda)
+    log(f"the check took {elapsed():.0f}s" + (f" of its {budget:.0f}s budget" if {"unet", "t2i"} & set(args.cases) else " (the allocator case has its workers' time limits)"))
     return status
 
 
@@ -1339,6 +1372,380 @@ def offload_check(args: argparse.Namespace, machine: dict[str, Any], command: st
             lines.append(f"| {row['optimizer']} | {row['step_s'] * 1000:.0f} ms | {row['first_step_s']:.1f} s | {peak} |")
     (args.out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     return 0
+
+
+# ----------------------------------------------------------------------------- allocator
+
+
+# The allocator case: bench jobs small enough for any card and for the CPU, each at three plans.
+ALLOCATOR_JOBS = ("conv32", "attn32")
+ALLOCATOR_PLANS = ("full", "half", "half+checkpointing")
+ALLOCATOR_STEPS = 3  # steps per plan, each with its own peaks (the first makes the optimizer state)
+# The emulated device's capacity when nothing is capped: the emulation counts and never refuses.
+UNCAPPED = 2**40
+# Seconds a worker may take (a process start, 6 plans of a few steps each): generous, as a
+# card session's minutes are better spent on a slow result than on none.
+ALLOCATOR_WORKER_TIMEOUT_S = {"cuda": 300.0, "cpu": 240.0}
+NO_CUDA_DEVICE = "no CUDA device found (torch.cuda.is_available() is False)"
+
+
+def allocator_plans(job: Any, expandable: bool) -> list[tuple[str, Any]]:
+    """The case's plans of ``job``: the whole batch, half of it twice, half with gradient
+    checkpointing; with the allocator rung's expandable segments when ``expandable``."""
+    from oomguard.strategies.plan import EXPANDABLE_SEGMENTS
+
+    start = job.initial_plan().replace(allocator=EXPANDABLE_SEGMENTS if expandable else "")
+    half = max(1, start.batch_size // 2)
+    plans = {"full": start.replace(micro_batch=start.batch_size), "half": start.replace(micro_batch=half),
+             "half+checkpointing": start.replace(micro_batch=half, gradient_checkpointing=True)}
+    return [(label, plans[label]) for label in ALLOCATOR_PLANS]
+
+
+def allocator_environment(env: dict[str, str], expandable: bool) -> dict[str, str]:
+    """A worker's environment: no allocator settings of the caller's, expandable segments as
+    the allocator rung sets them (the variable this torch reads) when ``expandable``. Read once
+    by torch when CUDA initialises, and by the emulated device when it is made."""
+    from oomguard.jobs.emulated_allocator import ALLOC_CONF_VARIABLES
+    from oomguard.strategies.plan import EXPANDABLE_SEGMENTS, Plan
+    from oomguard.strategies.rungs.allocator import environment
+
+    base = {k: v for k, v in env.items() if k not in ALLOC_CONF_VARIABLES}
+    return environment(Plan.initial(1).replace(allocator=EXPANDABLE_SEGMENTS if expandable else ""), base)
+
+
+def nvml_process_memory() -> dict[str, Any]:
+    """NVML's view of the card: this process's used memory (None where NVML does not list this
+    process's id, as inside some containers' pid namespaces) and every process's, with a note
+    on what went wrong, if anything."""
+    import torch
+
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            # The card by its UUID (torch prints it without NVML's "GPU-"), else by its index.
+            uuid = str(getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", ""))
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid)
+            except pynvml.NVMLError:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+                handle = pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+            processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as error:  # noqa: BLE001 - NVML is optional: mem_get_info stands in
+        return {"nvml_process_used_bytes": None, "nvml_processes": None, "nvml_note": f"NVML: {type(error).__name__}: {error}"}
+    mine = [p.usedGpuMemory for p in processes if p.pid == os.getpid() and p.usedGpuMemory is not None]
+    return {
+        "nvml_process_used_bytes": sum(mine) if mine else None,
+        "nvml_processes": [{"pid": p.pid, "used_bytes": p.usedGpuMemory} for p in processes],
+        "nvml_note": None if mine else f"NVML lists {len(processes)} process(es), none with this process's id {os.getpid()} (a pid namespace?)",
+    }
+
+
+def card_memory() -> dict[str, Any]:
+    """This process's memory on the card outside PyTorch's caching allocator, at a quiet moment
+    (synchronised, nothing in flight): NVML's per-process used memory less ``memory_reserved``,
+    and ``mem_get_info``'s total - free less ``memory_reserved`` (every process's memory on the
+    card: this process's only when it is alone there)."""
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    reserved = torch.cuda.memory_reserved()
+    nvml = nvml_process_memory()
+    by_nvml = nvml["nvml_process_used_bytes"] - reserved if nvml["nvml_process_used_bytes"] is not None else None
+    by_info = total - free - reserved
+    alone = nvml["nvml_processes"] is not None and len(nvml["nvml_processes"]) <= 1
+    if by_nvml is not None:
+        method, overhead = "NVML per-process used memory - memory_reserved", by_nvml
+    else:
+        method = "mem_get_info total - free - memory_reserved" + ("" if alone else " (assumes no other process on the card)")
+        overhead = by_info
+    return {"allocated_bytes": torch.cuda.memory_allocated(), "reserved_bytes": reserved, "card_used_bytes": total - free,
+            "non_pytorch_by_nvml_bytes": by_nvml, "non_pytorch_by_mem_get_info_bytes": by_info,
+            "overhead_bytes": overhead, "overhead_method": method, **nvml}
+
+
+def quiet_card() -> None:
+    """Give back everything the last plan left: collect, free cuBLAS's workspaces (held in the
+    allocator across calls) and empty the cache, so that the next plan starts from an empty
+    allocator, as the emulation's fresh device does."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+
+
+def expandable_in_use() -> bool | None:
+    """Whether the real allocator's segments are expandable (its snapshot says; None: unknown)."""
+    import torch
+
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except Exception:  # noqa: BLE001 - a figure for the report, not a reason to stop
+        return None
+    flags = [s.get("is_expandable") for s in segments if "is_expandable" in s]
+    return any(flags) if flags else None
+
+
+def measure_allocator_plan(trainer: Any, job: Any, plan: Any, device: Any, steps: int) -> dict[str, Any]:
+    """Build ``plan`` fresh and train ``steps`` steps, each step's peak allocated and reserved
+    from oomguard's own device memory: torch.cuda's on a card (CudaMemory, uncapped), the
+    caching allocator's emulation on the CPU (EmulatedMemory, divisor 1: PyTorch's own sizes)."""
+    import torch
+
+    from oomguard.jobs.attempt import Control
+    from oomguard.jobs.device import DeviceSpec
+    from oomguard.jobs.emulated_allocator import AllocatorEmulation
+    from oomguard.jobs.memory_cap import open_device_memory
+    from oomguard.jobs.sizes import CapSchedule
+    from oomguard.jobs.step_oom import free
+    from oomguard.jobs.training import build_training, one_step
+
+    cuda = device.type == "cuda"
+    spec = DeviceSpec() if cuda else DeviceSpec(CapSchedule(((0, UNCAPPED),)), AllocatorEmulation(divisor=1))
+    memory = open_device_memory(spec, device)
+    control = Control()
+    per_step: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    result: dict[str, Any] = {}
+    with memory:
+        result["start_allocated_bytes"] = torch.cuda.memory_allocated() if cuda else memory.emulated.allocated_bytes
+        result["start_reserved_bytes"] = torch.cuda.memory_reserved() if cuda else memory.emulated.reserved_bytes
+        memory.begin_step(0)
+        memory.reset_peak()
+        training = build_training(trainer, job, plan, device, memory)
+        result["build"] = {"peak_allocated_bytes": memory.peak_bytes(), "peak_reserved_bytes": memory.peak_reserved()}
+        for step in range(steps):
+            memory.begin_step(step)
+            memory.reset_peak()
+            outcome = one_step(trainer, training, step, memory, control)
+            per_step.append({"peak_allocated_bytes": memory.peak_bytes(), "peak_reserved_bytes": memory.peak_reserved(),
+                             "seconds": outcome.seconds, "loss": outcome.loss})
+        result["segments_expandable"] = expandable_in_use() if cuda else None
+        training = None
+        free(memory)
+        result["reserved_after_empty_cache_bytes"] = torch.cuda.memory_reserved() if cuda else memory.emulated.reserved_bytes
+    result.update(
+        steps=per_step, wall_s=time.perf_counter() - started,
+        peak_allocated_bytes=max(s["peak_allocated_bytes"] for s in per_step),
+        peak_reserved_bytes=max(s["peak_reserved_bytes"] for s in per_step),
+    )
+    if not cuda:
+        result["overhead_bytes"] = memory.emulated.overhead  # the emulation's figure, not a measurement
+    return result
+
+
+def allocator_worker(device_name: str) -> int:
+    """The allocator case's half on one device: every job's plans (a JSON task on stdin), one
+    ``RESULT {json}`` line per plan; on a card also ``OVERHEAD {json}`` lines, after CUDA
+    initialises and after every plan at a quiet moment."""
+    task = json.loads(sys.stdin.read())
+    import torch
+
+    from oomguard.jobs.emulated_allocator import expandable_segments
+    from oomguard.jobs.spec import load_job_file
+    from oomguard.jobs.trainers import make_trainer
+
+    def emit(kind: str, data: dict[str, Any]) -> None:
+        print(f"{kind} {json.dumps(data, default=str)}", flush=True)
+
+    cuda = device_name == "cuda"
+    if not cuda and os.environ.get("OMP_NUM_THREADS") == "1":
+        torch.set_num_threads(1)
+    device = torch.device(device_name)
+    if cuda:
+        torch.zeros(1, device=device)  # the context, and the allocator's first segment
+        emit("OVERHEAD", {"moment": "after CUDA initialised (one 1-element tensor)", **card_memory()})
+    for path in task["jobs"]:
+        job = load_job_file(Path(path))
+        trainer = make_trainer(job)
+        for label, plan in allocator_plans(job, task["expandable"]):
+            try:
+                row = measure_allocator_plan(trainer, job, plan, device, task["steps"])
+            except Exception:  # noqa: BLE001 - the other plans still measure
+                row = {"error": traceback.format_exc()[-2000:]}
+            row.update(job=job.name, plan=label, plan_short=plan.short(), expandable=task["expandable"],
+                       expandable_setting=expandable_segments(), device=device_name)
+            emit("RESULT", row)
+            if cuda:
+                quiet_card()
+                emit("OVERHEAD", {"moment": f"after {job.name} [{plan.short()}], quiet", **card_memory()})
+    return 0
+
+
+def run_allocator_worker(device_name: str, task: dict[str, Any], env: dict[str, str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
+    """One worker's rows and overhead readings, and what went wrong (None: nothing)."""
+    timeout = ALLOCATOR_WORKER_TIMEOUT_S[device_name]
+    error = None
+    try:
+        done = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker-allocator", device_name], input=json.dumps(task),
+                              capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+        stdout = done.stdout
+        if done.returncode != 0:
+            error = f"the {device_name} worker exited with {done.returncode}: {done.stderr[-2000:]}"
+    except subprocess.TimeoutExpired as expired:
+        out = expired.stdout or ""
+        stdout = out.decode(errors="replace") if isinstance(out, bytes) else out
+        error = f"the {device_name} worker was stopped after {timeout:.0f} s"
+    rows, overheads = [], []
+    for line in stdout.splitlines():
+        kind, _, data = line.partition(" ")
+        if kind == "RESULT":
+            rows.append(json.loads(data))
+        elif kind == "OVERHEAD":
+            overheads.append({**json.loads(data), "expandable": task["expandable"]})
+    return rows, overheads, error
+
+
+def allocator_check(args: argparse.Namespace, machine: dict[str, Any], command: str, env: dict[str, str], cuda: bool) -> int:
+    """The caching allocator's emulation against the card's allocator: the same jobs and plans
+    trained on the card (torch.cuda's peaks, and the process's memory outside PyTorch) and on
+    the CPU under ``caching`` emulation (divisor 1), with expandable segments off and on (a
+    process each: torch reads the setting when CUDA initialises). Without a card, or with
+    --dry-run, the CPU half alone, and the results say why. Writes gpu-allocator.md/json
+    (gpu-dry-run-allocator.md/json without the card half)."""
+    from oomguard.jobs.emulated_allocator import DEFAULT_OVERHEAD
+
+    names = [n.strip() for n in (args.allocator_jobs or ",".join(ALLOCATOR_JOBS)).split(",") if n.strip()]
+    paths = [ROOT / "bench" / "jobs" / f"{name}.toml" for name in names]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        print(f"--allocator-jobs: no such job file: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    steps = args.allocator_steps or ALLOCATOR_STEPS
+    card_skipped = None if cuda and not args.dry_run else ("--dry-run was given" if cuda else NO_CUDA_DEVICE)
+    if card_skipped:
+        log(f"allocator: the card half was skipped: {card_skipped}; the CPU half (the emulation) runs alone")
+    started = elapsed()
+    emulated: list[dict[str, Any]] = []
+    real: list[dict[str, Any]] = []
+    overheads: list[dict[str, Any]] = []
+    errors: list[str] = []
+    for expandable in (False, True):
+        task = {"jobs": [str(p) for p in paths], "steps": steps, "expandable": expandable}
+        variant = allocator_environment(env, expandable)
+        log(f"allocator: expandable segments {'on' if expandable else 'off'}: the emulation on the CPU")
+        rows, _, error = run_allocator_worker("cpu", task, {**variant, **THREAD_ENV})
+        emulated += rows
+        errors += [error] if error else []
+        if card_skipped is None:
+            log(f"allocator: expandable segments {'on' if expandable else 'off'}: the card")
+            rows, readings, error = run_allocator_worker("cuda", task, variant)
+            real += rows
+            overheads += readings
+            errors += [error] if error else []
+    by_key = {(r["job"], r["plan"], r["expandable"]): r for r in real}
+    rows_out = []
+    for row in emulated:
+        card = by_key.get((row["job"], row["plan"], row["expandable"]))
+        out = {"job": row["job"], "plan": row["plan"], "plan_short": row["plan_short"], "expandable": row["expandable"],
+               "emulated": row, "real": card}
+        for what in ("reserved", "allocated"):
+            e = row.get(f"peak_{what}_bytes")
+            r = card.get(f"peak_{what}_bytes") if card else None
+            out[f"ratio_{what}"] = e / r if e and r else None
+        rows_out.append(out)
+        log(f"allocator: {row['job']} [{row['plan_short']}]: emulated {fmt_bytes(row.get('peak_allocated_bytes'))} allocated, "
+            f"{fmt_bytes(row.get('peak_reserved_bytes'))} reserved" + (f"; card {fmt_bytes(card.get('peak_allocated_bytes'))} allocated, "
+                                                                       f"{fmt_bytes(card.get('peak_reserved_bytes'))} reserved" if card else "")
+            + (f"; ERROR {row['error'].strip().splitlines()[-1]}" if row.get("error") else ""))
+    measured = [o["overhead_bytes"] for o in overheads if o.get("overhead_bytes") is not None]
+    summary = {
+        "command": command,
+        "machine": machine,
+        "settings": {"jobs": names, "plans": list(ALLOCATOR_PLANS), "steps": steps, "emulation": "caching (divisor 1)",
+                     "default_overhead_bytes": DEFAULT_OVERHEAD, "dry_run": args.dry_run},
+        "card": {"skipped": card_skipped} if card_skipped else {"skipped": None, "gpu": machine["gpu"]},
+        "rows": rows_out,
+        "overhead": {
+            "default_bytes": DEFAULT_OVERHEAD,
+            "measured_bytes": max(measured) if measured else None,
+            "ratio_to_default": max(measured) / DEFAULT_OVERHEAD if measured else None,
+            "method": overheads[-1]["overhead_method"] if overheads else None,
+            "readings": overheads,
+        },
+        "errors": errors,
+        "total_s": elapsed() - started,
+    }
+    stem = "gpu-allocator" if card_skipped is None else "gpu-dry-run-allocator"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{stem}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (args.out / f"{stem}.md").write_text(allocator_markdown(summary))
+    log(f"allocator: wrote {args.out / (stem + '.md')} and {stem}.json ({summary['total_s']:.0f} s)")
+    print(allocator_rows(summary), flush=True)
+    for error in errors:
+        log(f"allocator: ERROR: {error}")
+    return 1 if errors or any(r["emulated"].get("error") or (r["real"] or {}).get("error") for r in rows_out) else 0
+
+
+def allocator_rows(summary: dict[str, Any]) -> str:
+    lines = ["| job | plan | expandable | emulated allocated | emulated reserved | card allocated | card reserved | "
+             "emulated / card reserved | emulated / card allocated |", "|---|---|---|---|---|---|---|---|---|"]
+    skipped = summary["card"]["skipped"]
+    for r in summary["rows"]:
+        e, c = r["emulated"], r["real"] or {}
+        card = ((f"{fmt_bytes(c.get('peak_allocated_bytes'))} | {fmt_bytes(c.get('peak_reserved_bytes'))}" if not c.get("error") else "error | error")
+                if r["real"] else "skipped | skipped" if skipped else "missing | missing")
+        emulated = f"{fmt_bytes(e.get('peak_allocated_bytes'))} | {fmt_bytes(e.get('peak_reserved_bytes'))}" if not e.get("error") else "error | error"
+        lines.append(f"| {r['job']} | `{r['plan_short']}` | {'on' if r['expandable'] else 'off'} | {emulated} | {card} | "
+                     f"{_fmt(r['ratio_reserved'], '.3f')} | {_fmt(r['ratio_allocated'], '.3f')} |")
+    return "\n".join(lines)
+
+
+def allocator_markdown(summary: dict[str, Any]) -> str:
+    m, s, o = summary["machine"], summary["settings"], summary["overhead"]
+    skipped = summary["card"]["skipped"]
+    where = f"{m['gpu']} ({fmt_bytes(m['gpu_total_bytes'])}) and its host's CPU" if not skipped else f"the CPU ({m['cpus']} CPUs)"
+    out = [f"# The caching allocator's emulation against a card's{' (CPU half only)' if skipped else ''}", "",
+           f"Written by `bench/gpu_check.py`; rerun with `{summary['command']}`.", "",
+           f"Measured {m['date']} on {where}; Python {m['python']}, torch {m['torch']} (CUDA {m['cuda']}), diffusers {m['diffusers']}; "
+           f"{m['platform']}. {summary['total_s']:.0f} s.", ""]
+    if skipped:
+        out += [f"**The card half was skipped: {skipped}.** Only the emulation ran; the card's columns are empty and there is no measured "
+                "overhead. Run it on a machine with an NVIDIA GPU for the comparison.", ""]
+    out += [f"Jobs {', '.join(f'bench/jobs/{j}.toml' for j in s['jobs'])}, each at its whole batch, half of it, and half with gradient "
+            f"checkpointing, {s['steps']} steps per plan, expandable segments off and on. Peaks are the largest over the steps (each step's "
+            "are in the JSON, with the build's). *expandable*: `expandable_segments:True` in `PYTORCH_ALLOC_CONF`.", "",
+            allocator_rows(summary), ""]
+    out += ["## Memory outside PyTorch (the emulation's overhead)", ""]
+    if o["measured_bytes"] is None:
+        out += [f"Not measured (no card). The emulation's default: {fmt_bytes(o['default_bytes'])} (jobs/emulated_allocator.py DEFAULT_OVERHEAD).", ""]
+    else:
+        out += [f"Measured: **{fmt_bytes(o['measured_bytes'])}** at most ({o['measured_bytes']} bytes; {o['method']}), "
+                f"{o['ratio_to_default']:.2f} x the emulation's default of {fmt_bytes(o['default_bytes'])}.", "",
+                "| expandable | moment | non-PyTorch (NVML) | non-PyTorch (mem_get_info) | reserved | NVML note |", "|---|---|---|---|---|---|"]
+        for r in o["readings"]:
+            out.append(f"| {'on' if r['expandable'] else 'off'} | {r['moment']} | {fmt_bytes(r['non_pytorch_by_nvml_bytes'])} | "
+                       f"{fmt_bytes(r['non_pytorch_by_mem_get_info_bytes'])} | {fmt_bytes(r['reserved_bytes'])} | {r['nvml_note'] or ''} |")
+        out.append("")
+    for error in summary["errors"]:
+        out += ["## Error", "", "```", error.strip()[-3000:], "```", ""]
+    for r in summary["rows"]:
+        for side in ("emulated", "real"):
+            if (r[side] or {}).get("error"):
+                out += [f"## Error: {r['job']} `{r['plan_short']}` ({side})", "", "```", r[side]["error"].strip()[-1500:], "```", ""]
+    out += ["## How it is measured", "",
+            "- **card**: oomguard's `build_training` and `one_step` with the built-in trainer, uncapped (`CudaMemory`): per step "
+            "`torch.cuda.max_memory_allocated` / `max_memory_reserved` after `reset_peak_memory_stats`. One process per expandable setting "
+            "(`PYTORCH_ALLOC_CONF` as the allocator rung sets it: torch reads it when CUDA initialises); between plans everything is freed, "
+            "cuBLAS's workspaces cleared and the cache emptied, so every plan starts from an empty allocator.",
+            "- **emulated**: the same code on the CPU under `EmulatedMemory` with `AllocatorEmulation(divisor=1)` (`--emulate-allocator caching`: "
+            "PyTorch's own block and segment sizes), a fresh emulated device per plan; expandable segments from the same environment variable. "
+            "The ops are the CPU's: where a CUDA kernel allocates differently (cuDNN and cuBLAS workspaces, SDPA's kernels) the gap is the ops', not the allocator model's.",
+            "- **overhead**: the process's card memory outside PyTorch's allocator (the CUDA context, loaded kernels, library handles) at quiet moments "
+            "(synchronised, cache emptied): NVML's per-process used memory less `memory_reserved` where NVML lists this process, else "
+            "`mem_get_info`'s total - free less `memory_reserved` (every process's: right when the process is alone on the card).",
+            ""]
+    return "\n".join(out)
 
 
 def t2i_options(args: argparse.Namespace, machine: dict[str, Any], command: str, env: dict[str, str]) -> Any:

@@ -8,12 +8,19 @@ releases them when the storage dies (weak references, as PyTorch's MemTracker do
 raises ``torch.OutOfMemoryError`` worded like the CUDA caching allocator's when a
 capacity is exceeded, so the code that survives real OOMs is exercised unchanged.
 
+Two emulations (--emulate-allocator): *exact* counts live bytes against the capacity; *caching*
+also hands every storage to a model of PyTorch's caching allocator (jobs/caching_allocator.py),
+which rounds it, places it in a cached segment and refuses when what it must *reserve* would
+pass the capacity (the per-process limit), so fragmentation and expandable segments act here
+as on a card. The live-byte count goes on under both (the benchmark compares them).
+
 On a machine with CUDA, ``limit_cuda_memory`` makes a big card behave like a small one,
 and the OOMs are PyTorch's own.
 
 One idea, one file (past 400 lines): the device's accounting, what feeds it (ops that
-allocate; tensors a script sends to its device; storages FSDP resizes in place) and the OOM it
-raises share the storage table and cannot be split without exposing it. The runner's view of
+allocate; tensors a script sends to its device; storages FSDP resizes in place), the allocator
+blocks behind it and the OOM it raises share the storage table and cannot be split without
+exposing it (the OOM's wording is jobs/cuda_oom.py). The runner's view of
 it is jobs/memory_cap.py.
 """
 
@@ -23,7 +30,6 @@ import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
 
@@ -33,63 +39,16 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
 from oomguard.jobs.caching_allocator import AllocatorOutOfMemory, CachingAllocator
+from oomguard.jobs.cuda_oom import OOMInfo, cuda_oom_message
 from oomguard.jobs.emulated_allocator import AllocatorEmulation, expandable_segments
 from oomguard.strategies.units import format_torch_size
 
-__all__ = [
-    "EmulatedDevice",
-    "OOMInfo",
-    "cuda_oom_message",
-    "limit_cuda_memory",
-]
+__all__ = ["EmulatedDevice", "limit_cuda_memory"]
 
 GroupsFn = Callable[[], Mapping[str, Iterable[torch.Tensor | None]]]
 
 # Name of the breakdown entry for tracked bytes that no group claims.
 ACTIVATIONS = "activations"
-
-
-@dataclass(frozen=True)
-class OOMInfo:
-    """What the emulated allocator knew when it refused an allocation (all bytes)."""
-
-    requested: int
-    allocated: int
-    reserved: int
-    free: int
-    total: int
-    breakdown: dict[str, int]
-    message: str
-    # The caching allocator's num_alloc_retries when it refused (None: the exact emulation).
-    alloc_retries: int | None = None
-
-
-def cuda_oom_message(
-    requested: int, total: int, free: int, allocated: int, reserved: int, device_index: int = 0,
-    in_use: int | None = None, allowed: int | None = None,
-) -> str:
-    """The text of the CUDA caching allocator's OOM error (c10/cuda/CUDACachingAllocator.cpp).
-
-    Reproduces the PyTorch 2.x wording with no CUDA-graph private pools and this process as
-    the only GPU user, so that the NVML process line reads "Including non-PyTorch memory,
-    this process has ...": ``in_use`` (reserved plus the process's non-PyTorch memory;
-    ``reserved`` when None). ``allowed``: the per-process limit that
-    set_per_process_memory_fraction set, printed as "X allowed; " where PyTorch prints it.
-    The double spaces are PyTorch's.
-    """
-    allowed_part = f"{format_torch_size(allowed)} allowed; " if allowed is not None else ""
-    return (
-        f"CUDA out of memory. Tried to allocate {format_torch_size(requested)}. "
-        f"GPU {device_index} has a total capacity of {format_torch_size(total)} "
-        f"of which {format_torch_size(free)} is free. "
-        f"Including non-PyTorch memory, this process has {format_torch_size(reserved if in_use is None else in_use)} memory in use. "
-        f"{allowed_part}Of the allocated memory {format_torch_size(allocated)} is allocated by PyTorch, "
-        f"and {format_torch_size(reserved - allocated)} is reserved by PyTorch but unallocated."
-        " If reserved but unallocated memory is large try setting"
-        " PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid"
-        " fragmentation.  See documentation for Memory Management "
-        " (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
-    )
 
 
 # How an op's outputs relate to its inputs, read once per op from its schema.
@@ -511,7 +470,11 @@ class EmulatedDevice:
         try:
             return self._caching.malloc(nbytes)
         except AllocatorOutOfMemory as error:
-            self._refuse_caching(error.oom.requested)
+            refused = error.oom.requested
+        # Raised outside the except block: raised inside it, the OOM's traceback would hold
+        # the allocator's error, whose traceback holds this frame, a cycle that keeps the op's
+        # frames (and the storages they name) alive until the garbage collector runs.
+        self._refuse_caching(refused)
 
     def _allocate_anyway(self, nbytes: int) -> int | None:
         """A block for a storage that exists already (``track``): never refused, as the exact

@@ -228,3 +228,113 @@ def test_the_multi_gpu_case_dry_run_shards_on_two_emulated_cards(tmp_path: Path)
     landed = Plan.from_dict(two["landed"])
     assert all(r.exact for r in rungs.ladder() if r.is_on(landed)), two
     assert "two-cards" in (tmp_path / "gpu-dry-run-multi.md").read_text()
+
+
+ALLOCATOR_FILES = ["gpu-dry-run-allocator.json", "gpu-dry-run-allocator.md"]
+
+
+def check_allocator_rows(data: dict[str, Any], markdown: str, jobs: list[str], steps: int) -> None:
+    """One row per job x plan x expandable setting, in the JSON and in the markdown table; the
+    emulation's figures in every row, reserved never below allocated."""
+    from oomguard.jobs.emulated_allocator import DEFAULT_OVERHEAD
+
+    rows = data["rows"]
+    assert [(r["job"], r["plan"], r["expandable"]) for r in rows] == [
+        (job, plan, expandable) for expandable in (False, True) for job in jobs for plan in ("full", "half", "half+checkpointing")]
+    for row in rows:
+        emulated = row["emulated"]
+        assert not emulated.get("error"), emulated.get("error")
+        assert emulated["device"] == "cpu" and emulated["expandable_setting"] is row["expandable"]
+        assert ("expandable" in row["plan_short"]) is row["expandable"] and ("ckpt" in row["plan_short"]) is row["plan"].endswith("checkpointing")
+        assert len(emulated["steps"]) == steps
+        for figures in [emulated, emulated["build"], *emulated["steps"]]:
+            assert 0 < figures["peak_allocated_bytes"] <= figures["peak_reserved_bytes"], figures
+        assert emulated["overhead_bytes"] == DEFAULT_OVERHEAD
+        line = f"| {row['job']} | `{row['plan_short']}` | {'on' if row['expandable'] else 'off'} | "
+        assert sum(1 for text in markdown.splitlines() if text.startswith(line)) == 1, markdown
+    by_plan = {(r["job"], r["plan"], r["expandable"]): r["emulated"]["peak_allocated_bytes"] for r in rows}
+    for job in jobs:
+        for expandable in (False, True):
+            # Half the batch a slice, then checkpointing, take less at their peak.
+            full, half, checkpointed = (by_plan[job, plan, expandable] for plan in ("full", "half", "half+checkpointing"))
+            assert full > half > checkpointed, (job, expandable, full, half, checkpointed)
+    assert data["settings"]["default_overhead_bytes"] == data["overhead"]["default_bytes"] == DEFAULT_OVERHEAD
+
+
+@pytest.mark.slow
+@pytest.mark.bench
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the allocator case without CUDA")
+def test_the_allocator_case_runs_its_cpu_half_without_a_card_and_says_the_card_half_was_skipped(tmp_path: Path) -> None:
+    result = run_check("--cases", "allocator", "--allocator-steps", "2", "--out", str(tmp_path), timeout=200)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "the card half was skipped: no CUDA device found" in result.stdout
+    assert NO_CUDA not in result.stderr  # not the other parts' refusal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ALLOCATOR_FILES
+    data = json.loads((tmp_path / "gpu-dry-run-allocator.json").read_text())
+    markdown = (tmp_path / "gpu-dry-run-allocator.md").read_text()
+    assert data["card"]["skipped"].startswith("no CUDA device found") and "The card half was skipped: no CUDA device found" in markdown
+    check_allocator_rows(data, markdown, ["conv32", "attn32"], steps=2)
+    assert all(r["real"] is None and r["ratio_reserved"] is None for r in data["rows"])
+    assert data["overhead"]["measured_bytes"] is None and data["overhead"]["readings"] == []
+    assert not data["errors"] and data["machine"]["gpu"] is None and data["machine"]["date"] in markdown
+
+
+def test_the_allocator_case_puts_the_card_beside_the_emulation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The card half's merging and report, with the workers' lines made up (no training): the
+    ratio emulated / card reserved per row, the measured overhead against the default."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_check
+
+    from oomguard.jobs.emulated_allocator import DEFAULT_OVERHEAD
+
+    MiB = 2**20
+
+    def worker(device: str, task: dict[str, Any], env: dict[str, str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str | None]:
+        expandable = task["expandable"]
+        assert ("expandable_segments:True" in env.get("PYTORCH_ALLOC_CONF", "")) is expandable
+        assert "PYTORCH_CUDA_ALLOC_CONF" not in env and (env.get("OMP_NUM_THREADS") == "1") is (device == "cpu")
+        rows = [{"job": "conv32", "plan": plan, "plan_short": f"mb={mb}", "expandable": expandable, "device": device,
+                 "peak_allocated_bytes": 30 * MiB * scale, "peak_reserved_bytes": (40 if device == "cpu" else 50) * MiB * scale}
+                for plan, mb, scale in (("full", "12x1", 2), ("half", "6x2", 1), ("half+checkpointing", "6x2 ckpt", 1))]
+        readings = [{"moment": "after CUDA initialised", "overhead_bytes": 400 * MiB, "overhead_method": "NVML per-process used memory - memory_reserved",
+                     "non_pytorch_by_nvml_bytes": 400 * MiB, "non_pytorch_by_mem_get_info_bytes": 401 * MiB, "reserved_bytes": 2 * MiB,
+                     "nvml_note": None, "expandable": expandable}] if device == "cuda" else []
+        return rows, readings, None
+
+    monkeypatch.setattr(gpu_check, "run_allocator_worker", worker)
+    args = argparse.Namespace(allocator_jobs="conv32", allocator_steps=2, dry_run=False, out=tmp_path)
+    machine = {"date": "2026-12-07 00:00 UTC", "gpu": "NVIDIA H100", "gpu_total_bytes": 80 * 2**30, "cpus": 16, "platform": "Linux",
+               "python": "3.11", "torch": "2.13.0", "cuda": "12.8", "diffusers": "0.42.1"}
+    env = {"PATH": "/usr/bin", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert gpu_check.allocator_check(args, machine, "bench/gpu_check.py --cases allocator", env, cuda=True) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu-allocator.json", "gpu-allocator.md"]
+    data = json.loads((tmp_path / "gpu-allocator.json").read_text())
+    markdown = (tmp_path / "gpu-allocator.md").read_text()
+    assert data["card"] == {"skipped": None, "gpu": "NVIDIA H100"} and "skipped" not in markdown.split("## Memory")[0]
+    assert len(data["rows"]) == 6 and all(r["ratio_reserved"] == pytest.approx(0.8) and r["ratio_allocated"] == 1 for r in data["rows"])
+    assert "| conv32 | `mb=12x1` | off | 60.0 MiB | 80.0 MiB | 60.0 MiB | 100.0 MiB | 0.800 | 1.000 |" in markdown
+    assert data["overhead"]["measured_bytes"] == 400 * MiB and data["overhead"]["ratio_to_default"] == pytest.approx(400 * MiB / DEFAULT_OVERHEAD)
+    assert "**400.0 MiB**" in markdown and "0.78 x the emulation's default of 512.0 MiB" in markdown
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.timeout(600)
+def test_real_allocator_case_puts_the_card_beside_the_emulation(tmp_path: Path) -> None:
+    """Both halves on a card: every row has the card's peaks and a ratio, the overhead is measured."""
+    result = run_check("--cases", "allocator", "--out", str(tmp_path), timeout=560)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    data = json.loads((tmp_path / "gpu-allocator.json").read_text())
+    markdown = (tmp_path / "gpu-allocator.md").read_text()
+    check_allocator_rows(data, markdown, ["conv32", "attn32"], steps=3)
+    assert data["card"]["gpu"] == torch.cuda.get_device_name(0) and not data["errors"]
+    for row in data["rows"]:
+        real = row["real"]
+        assert not real.get("error") and real["device"] == "cuda" and len(real["steps"]) == 3
+        assert 0 < real["peak_allocated_bytes"] <= real["peak_reserved_bytes"] and row["ratio_reserved"] > 0
+        assert real["segments_expandable"] in (row["expandable"], None)
+    assert data["overhead"]["measured_bytes"] > 0 and data["overhead"]["method"]

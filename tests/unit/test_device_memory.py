@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from oomguard.jobs.device_memory import EmulatedDevice, OOMInfo, cuda_oom_message, limit_cuda_memory
+from oomguard.jobs.cuda_oom import OOMInfo, cuda_oom_message
+from oomguard.jobs.device_memory import EmulatedDevice, limit_cuda_memory
 from oomguard.jobs.sizes import CapSchedule
 from oomguard.strategies.units import format_torch_size
 

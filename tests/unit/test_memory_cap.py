@@ -13,7 +13,7 @@ from torch import nn
 
 from oomguard.jobs.attempt import AttemptConfig
 from oomguard.jobs.device import EMULATE_DEVICE_MEMORY_ENV, DeviceSpec
-from oomguard.jobs.device_memory import cuda_oom_message
+from oomguard.jobs.cuda_oom import cuda_oom_message
 from oomguard.jobs.faults import INJECT_FAULT_ENV, injected_fault
 from oomguard.jobs.memory_cap import EmulatedMemory, HostMemory, open_device_memory
 from oomguard.jobs.sizes import CapSchedule

@@ -162,7 +162,7 @@ def test_text_without_an_error() -> None:
 
 
 def test_the_emulated_device_message_reads_back_exactly() -> None:
-    from oomguard.jobs.device_memory import cuda_oom_message
+    from oomguard.jobs.cuda_oom import cuda_oom_message
 
     for requested, total, free, allocated, reserved in [
         (4 * 2**20, 100 * 2**20, 3879731, 100 * 2**20 - 3879731, 100 * 2**20 - 3879731),
