@@ -366,7 +366,7 @@ def measure_need(job: JobRow, spec: JobSpec, attempts: list[AttemptRow]) -> Need
     if free_bytes is None:
         plan = job.plan
         peaks = [
-            m.peak_bytes
+            m.held_bytes
             for attempt in attempts
             if attempt.outcome is not None
             for m in attempt.outcome.measurements

@@ -159,7 +159,8 @@ def run_probe(
             # attempt, in a new process, from what was measured so far.
             say(f"probe: the failed step left {format_mib(leftover)} behind on the device; stopping here")
             return ProbeResult(start, tuple(measurements), "probe: stopped after an OOM that left memory behind", failure=oom)
-        verdict = f"peak {format_mib(measured.peak_bytes)}" if measured.fits else "out of memory"
+        reserved = f" ({format_mib(measured.reserved_bytes)} reserved)" if measured.reserved_bytes is not None else ""
+        verdict = f"peak {format_mib(measured.peak_bytes)}{reserved}" if measured.fits else "out of memory"
         say(f"probe: [{next_plan.short()}] {verdict} (capacity {format_mib(capacity)})")
         model = MemoryModel(measurements)
         if calibrations is None:

@@ -41,6 +41,8 @@ def report_step(
         "loss": loss,
         "samples_per_s": samples_per_s,
         "peak_bytes": memory.peak_bytes(),
+        # What the caching allocator held at most (None where it is what was allocated).
+        "reserved_bytes": memory.peak_reserved(),
         "capacity_bytes": memory.capacity(),
         "plan": plan,
         "time": time.time(),

@@ -6,7 +6,10 @@ straight line in the micro-batch:
     peak = fixed + per_sample * micro_batch
 
 where ``fixed`` holds parameters, gradients and optimizer state (the static consumers) plus a
-small transient. Two measured micro-batch sizes give the line; one measurement and the static
+small transient. A peak is what the plan held of the device: with a caching allocator (a card,
+or --emulate-allocator caching) what it *reserved*, so the line carries the allocator's reserve
+(rounding, cached blocks it could not reuse), which grows with the micro-batch, and the safety
+margins stay margins; elsewhere what was allocated. Two measured micro-batch sizes give the line; one measurement and the static
 bytes give it too. A shape that has not run is predicted from the closest one that has, by
 what each knob does to the consumers (e.g. checkpointing keeps ~60% of the activations of a
 diffusers UNet, optimizer offload moves all optimizer state to host memory). Predictions
@@ -43,21 +46,6 @@ MARGIN_PREDICTED = 0.15
 # A plan whose own step was measured: only run-to-run jitter (allocator, a longer caption,
 # another timestep) is left, so a small margin is enough.
 MARGIN_RAN = 0.03
-# The most a caching allocator's reserve over what is allocated is taken to be (the lines
-# predict allocated bytes; a card must hold the reserve too): beyond this the measurement is
-# read as a cache left over from other work rather than the plan's own.
-RESERVE_FACTOR_LIMIT = 2.0
-
-
-def reserve_factor(measurements: Iterable[Measurement]) -> float:
-    """How much more than its allocated peak a plan of this job holds of the card: the largest
-    reserved-over-allocated ratio its steady runs measured (1.0 where none reported reserved
-    bytes). A caching allocator rounds requests and keeps freed blocks cached; the planner
-    multiplies its predictions by this factor, so the margins stay margins."""
-    ratios = [m.reserved_bytes / m.peak_bytes for m in measurements if m.fits and m.reserved_bytes is not None and m.peak_bytes > 0]
-    return min(max(ratios, default=1.0), RESERVE_FACTOR_LIMIT) if ratios else 1.0
-
-
 @dataclass(frozen=True)
 class Measurement:
     """What one plan did on the device.
@@ -207,7 +195,6 @@ class MemoryModel:
             if line is not None:
                 self._lines[shape] = line
         self._observed = observed_activation_factors(self._lines)
-        self.reserve_factor = reserve_factor(self.measurements)
 
     # -- memory -------------------------------------------------------------------------
 
@@ -220,7 +207,8 @@ class MemoryModel:
         runs = [m for m in self.measurements if m.fits and shape_of(m.plan) == shape]
         by_size: dict[int, int] = {}
         for m in runs:
-            by_size[m.plan.micro_batch] = max(by_size.get(m.plan.micro_batch, 0), m.peak_bytes)
+            # What the plan held of the card: with a caching allocator, its reserve too.
+            by_size[m.plan.micro_batch] = max(by_size.get(m.plan.micro_batch, 0), m.held_bytes)
         if len(by_size) >= 2:
             sizes = sorted(by_size)
             # Least squares over all sizes; the slope is never taken below zero.
@@ -294,14 +282,11 @@ class MemoryModel:
         return Line(static.total, per_sample, measured=False)
 
     def predicted_peak(self, plan: Plan) -> float | None:
-        """The allocated bytes ``plan`` would peak at."""
+        """What ``plan`` would hold of the device at its peak (with a caching allocator, what
+        it would reserve)."""
         line = self.line(plan)
         return None if line is None else line.peak(plan.micro_batch)
 
-    def predicted_held(self, plan: Plan) -> float | None:
-        """What ``plan`` would take of the card: its peak with the allocator's reserve."""
-        peak = self.predicted_peak(plan)
-        return None if peak is None else peak * self.reserve_factor
 
     def fits(self, plan: Plan, capacity: int, *, optimistic: bool = False) -> bool | None:
         """Whether ``plan`` should fit ``capacity`` with a safety margin (None: no idea).
@@ -321,8 +306,6 @@ class MemoryModel:
         if line is None:
             return None
         margin = MARGIN_RAN if optimistic else MARGIN_MEASURED if line.measured else MARGIN_PREDICTED
-        # The line predicts allocated bytes; the card must hold what the allocator reserves.
-        capacity = capacity / self.reserve_factor
         if optimistic and line.one_size is not None and plan.world_size > 1:
             # On several processes the static terms are rough (gathered blocks, sharded
             # gradients held through a step's micro-batches): what one size measured above them

@@ -153,6 +153,6 @@ def choose(
     return Choice(
         plan=best,
         rungs=rungs_between(start, best),
-        predicted_peak=model.predicted_held(best),
+        predicted_peak=model.predicted_peak(best),
         expected_samples_per_s=model.expected_samples_per_s(best, optimistic=optimistic_speed),
     )

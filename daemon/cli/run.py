@@ -29,6 +29,8 @@ def progress_line(heartbeat: dict[str, Any]) -> str:
         parts.append(f"{heartbeat['samples_per_s']:.1f} samples/s")
     if isinstance(heartbeat.get("peak_bytes"), int):
         parts.append(f"peak {format_bytes(heartbeat['peak_bytes'])}")
+    if isinstance(heartbeat.get("reserved_bytes"), int):
+        parts.append(f"reserved {format_bytes(heartbeat['reserved_bytes'])}")
     return "  ".join(parts)
 
 

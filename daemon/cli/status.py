@@ -65,8 +65,10 @@ def _cells(job: JobRow, attempt: AttemptRow | None, attempts: int) -> tuple[str,
         steps_left = max_steps - step
         eta = format_duration_short(steps_left * spec["train"]["batch_size"] / speed)
     memory = ""
-    if _number(heartbeat.get("peak_bytes")) is not None and job.state not in TERMINAL_STATES:
-        memory = f"{format_bytes(int(heartbeat['peak_bytes']))} / {format_bytes(_int_or_none(heartbeat.get('capacity_bytes')))}"
+    held = heartbeat.get("reserved_bytes") if _number(heartbeat.get("reserved_bytes")) is not None else heartbeat.get("peak_bytes")
+    if _number(held) is not None and job.state not in TERMINAL_STATES:
+        # What the job holds of the device (reserved, with a caching allocator) against its cap.
+        memory = f"{format_bytes(int(held))} / {format_bytes(_int_or_none(heartbeat.get('capacity_bytes')))}"
     gpus = ",".join(str(index) for index in attempt.gpus) if running and attempt and attempt.gpus else ""
     if job.state == "queued" and job.disk_path is not None:
         from oomguard.daemon.disk_wait import disk_note

@@ -149,3 +149,23 @@ def test_bad_allocator_emulations_name_the_problem_and_the_form(text: str, names
     with pytest.raises(ValueError, match=names) as caught:
         AllocatorEmulation.parse(text)
     assert "caching/1024" in str(caught.value) or "memory size" in names
+
+
+def test_on_an_emulated_gpu_the_process_holds_its_reserve_and_its_overhead(tmp_path):
+    from oomguard.jobs.emulated_gpus import AssignedGpu, EmulatedGpu, EmulatedGpuFolder
+
+    folder = EmulatedGpuFolder(tmp_path).create((EmulatedGpu(0, 64 * MiB),))
+    folder.publish(0, 1, 10 * MiB, "a neighbour")  # pid 1 is always alive
+    gpu = AssignedGpu(folder, 0)
+    memory = open_device_memory(DeviceSpec(None, CACHING), torch.device("cpu"), gpu=gpu)
+    # The card's 64 MiB, less the neighbour's 10 and this process's 32 of non-PyTorch memory.
+    assert memory.capacity() == 22 * MiB
+    with memory:
+        x = torch.zeros(10)
+        memory.publish(force=True)
+        assert folder.used_by_others(0, 1) == 32 * MiB + 2 * MiB  # the overhead and a 2 MiB segment
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            torch.empty(floats(21 * MiB))
+        assert "has a total capacity of 64.00 MiB of which 20.00 MiB is free" in str(caught.value)
+        assert x.numel() == 10
+    memory.withdraw()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -114,27 +115,28 @@ def test_fits_keeps_a_margin_and_never_trusts_a_plan_that_ran_out_at_this_capaci
     assert model.fits(BASE.replace(micro_batch=2), 300 * MiB)  # more room now than then
 
 
-def test_a_caching_allocators_reserve_stays_out_of_the_margin():
-    """The lines predict allocated bytes; where the runs reported what the allocator reserved, a
-    plan must fit with that reserve: predictions are scaled by the largest reserved/allocated
-    ratio measured (here 1.25), and a plan that ran is judged by its reserved peak."""
-    def reserved(micro_batch: int) -> Measurement:
+def test_a_caching_allocators_reserve_is_in_the_lines_so_it_stays_out_of_the_margin():
+    """Where the runs reported what the allocator reserved, the lines are fitted to it (the
+    reserve grows with the micro-batch: 1.06x at 1, 1.38x at 12 on conv32 under caching/1024),
+    and a plan that ran is judged by its reserved peak."""
+    def reserving(micro_batch: int) -> Measurement:
         m = ran(BASE.replace(micro_batch=micro_batch))
-        return Measurement(**{**m.__dict__, "reserved_bytes": int(m.peak_bytes * 1.25)})
+        return dataclasses.replace(m, reserved_bytes=int(m.peak_bytes * 1.25))
 
     plain = MemoryModel([ran(BASE.replace(micro_batch=1)), ran(BASE.replace(micro_batch=4))])
-    caching = MemoryModel([reserved(1), reserved(4)])
-    assert caching.reserve_factor == 1.25 and plain.reserve_factor == 1.0
+    caching = MemoryModel([reserving(1), reserving(4)])
     capacity = int(peak(8) / (1 - MARGIN_MEASURED)) + 1  # room for micro-batch 8's allocated bytes
     assert plain.fits(BASE.replace(micro_batch=8), capacity)
     assert not caching.fits(BASE.replace(micro_batch=8), capacity)
     assert caching.fits(BASE.replace(micro_batch=8), int(capacity * 1.25) + 1)
-    assert caching.predicted_held(BASE.replace(micro_batch=8)) == pytest.approx(1.25 * peak(8))
+    assert caching.predicted_peak(BASE.replace(micro_batch=8)) == pytest.approx(1.25 * peak(8), rel=1e-6)
     # A plan that ran: its own reserved peak, with the small margin of a plan that ran.
     assert not caching.fits(BASE.replace(micro_batch=4), peak(4) + MiB)
     assert caching.fits(BASE.replace(micro_batch=4), int(peak(4) * 1.25 / 0.97) + 1)
     choice = planner.choose(BASE, [BASE.replace(micro_batch=m) for m in (16, 8, 4, 2, 1)], caching, capacity)
     assert choice is not None and choice.plan.micro_batch < 8
+    # Without reserved figures (the exact emulation) nothing changes.
+    assert plain.predicted_peak(BASE.replace(micro_batch=8)) == pytest.approx(peak(8), rel=1e-6)
 
 
 def test_measurements_round_trip():
