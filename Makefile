@@ -75,10 +75,12 @@ test-fast: $(STAMP)
 # The benchmarks, about twenty minutes on 2 cores, results in bench/results/:
 # - bench/ladder.py: oomguard and accelerate's find_executable_batch_size against the best plan
 #   there is, on the jobs in bench/jobs/ under emulated caps, and command jobs on scripts like
-#   diffusers' examples (bench/command_pairs.py) (ladder.md, ladder.json, ladder.png);
+#   diffusers' examples (bench/command_pairs.py) (ladder.md, ladder.json, ladder.png), each pair
+#   under the exact emulation and the caching allocator's, and the fragmentation pairs
+#   (bench/allocator_pairs.py: allocator_pairs.md);
 # - bench/speed.py: recovery latency, supervisor overhead, 10,000 queued jobs (speed.md, speed.json).
 bench: install
-	$(BIN)/python -m pytest -q -m bench tests/integration/test_bench_speed.py tests/integration/test_gpu_check.py
+	$(BIN)/python -m pytest -q -m bench tests/integration/test_bench_speed.py tests/integration/test_gpu_check.py tests/integration/test_bench_allocator.py
 	$(BIN)/python bench/ladder.py --update-readme
 	$(BIN)/python bench/speed.py --update-readme
 

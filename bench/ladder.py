@@ -57,6 +57,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+import allocator_pairs
 import command_pairs
 import contention_pairs
 import frozen_savings
@@ -151,31 +152,66 @@ def _timed_step(trainer: Any, training: Any, step: int, memory: Any, control: An
     return batch / max(cpu, 1e-9), batch / result.seconds
 
 
-def sweep_task(job_path: str, plan: Any, steps: int) -> dict[str, Any]:
-    """Build ``plan`` fresh, train a warm step plus ``steps`` measured ones without a cap."""
+def _open_memory(cap: int, allocator: str | None, plan: Any = None) -> Any:
+    """An emulated device of ``cap`` bytes: exact bytes (``allocator`` None) or the caching
+    allocator's emulation (``"caching/1024"``), with expandable segments where ``plan``'s
+    allocator setting asks for them (the allocator rung; the emulation reads the variable when
+    the device is made, as torch does when CUDA initialises)."""
+    import torch
+
+    from oomguard.jobs.device import DeviceSpec
+    from oomguard.jobs.emulated_allocator import ALLOC_CONF_VARIABLES, AllocatorEmulation
+    from oomguard.jobs.memory_cap import open_device_memory
+    from oomguard.jobs.sizes import CapSchedule
+
+    spec = DeviceSpec(CapSchedule(((0, cap),)), AllocatorEmulation.parse(allocator) if allocator else None)
+    saved = {name: os.environ.pop(name, None) for name in ALLOC_CONF_VARIABLES}
+    try:
+        if plan is not None and plan.allocator:
+            os.environ[ALLOC_CONF_VARIABLES[0]] = plan.allocator
+        return open_device_memory(spec, torch.device("cpu"))
+    finally:
+        for name, value in saved.items():
+            os.environ.pop(name, None)
+            if value is not None:
+                os.environ[name] = value
+
+
+def _exact_peak(memory: Any) -> int:
+    """The live bytes' peak: what the exact emulation counts (the device with the caching
+    allocator counts them too)."""
+    return memory.emulated.peak_bytes
+
+
+def sweep_task(job_path: str, plan: Any, steps: int, allocator: str | None = None) -> dict[str, Any]:
+    """Build ``plan`` fresh, train a warm step plus ``steps`` measured ones without a cap.
+    Under the caching allocator's emulation (``allocator``) the live bytes are counted as by
+    the exact one, and what the allocator reserved (and allocated, its rounded blocks) is
+    recorded beside them."""
     import torch
 
     from oomguard.jobs.attempt import Control
-    from oomguard.jobs.device import DeviceSpec
-    from oomguard.jobs.memory_cap import open_device_memory
-    from oomguard.jobs.sizes import CapSchedule
     from oomguard.jobs.training import build_training
     from oomguard.jobs.step_oom import free
 
     job, trainer = _job(job_path)
-    memory = open_device_memory(DeviceSpec(CapSchedule(((0, UNLIMITED),))), torch.device("cpu"))
+    memory = _open_memory(UNLIMITED, allocator, plan)
     control = Control()
     peaks: list[int] = []
+    reserved: list[int] = []
+    allocated: list[int] = []
     rates: list[float] = []
     training = None
     try:
         with memory:
             training = build_training(trainer, job, plan, torch.device("cpu"), memory)
-            build_peak = memory.peak_bytes() or 0
+            build_peaks = (_exact_peak(memory), memory.peak_reserved(), memory.peak_bytes())
             for step in range(1 + steps):
                 memory.reset_peak()
                 cpu_rate, _ = _timed_step(trainer, training, step, memory, control)
-                peaks.append(memory.peak_bytes() or 0)
+                peaks.append(_exact_peak(memory))
+                reserved.append(memory.peak_reserved() or 0)
+                allocated.append(memory.peak_bytes() or 0)
                 if step > 0:
                     rates.append(cpu_rate)
             # After the steps: the optimizer state exists, and a rung that replaces a frozen
@@ -184,27 +220,36 @@ def sweep_task(job_path: str, plan: Any, steps: int) -> dict[str, Any]:
     finally:
         training = None
         free(memory)
-    return {
+    result = {
         "plan": plan,
-        "peak_bytes": max(build_peak, *peaks),
+        "peak_bytes": max(build_peaks[0], *peaks),
         "first_step_peak_bytes": peaks[0],
         "steady_peak_bytes": max(peaks[1:]) if len(peaks) > 1 else None,
         "rates": rates,
         # Bytes on the device by static consumer (parameters, optimizer state, frozen parts).
         "static_bytes": static,
     }
+    if allocator:
+        result.update({
+            "allocator": allocator,
+            # torch.cuda.max_memory_reserved and max_memory_allocated over the build and all steps.
+            "reserved_peak_bytes": max(build_peaks[1] or 0, *reserved),
+            "allocated_peak_bytes": max(build_peaks[2] or 0, *allocated),
+            "first_step_reserved_peak_bytes": reserved[0],
+            "steady_reserved_peak_bytes": max(reserved[1:]) if len(reserved) > 1 else None,
+        })
+    return result
 
 
-def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds: int) -> dict[str, dict[str, Any]]:
+def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds: int, allocator: str | None = None) -> dict[str, dict[str, Any]]:
     """Train every arm ``(label, batch_size, plan)`` under the emulated ``cap``, each with its
     own model and device counter, a step of each in turn (a warm round, then ``rounds``
-    measured ones, the order rotating). Per arm: samples/s per round, peak, or the OOM."""
+    measured ones, the order rotating). Per arm: samples/s per round, peak, or the OOM. Under
+    ``allocator`` (the caching allocator's emulation) each arm has its own allocator, with
+    expandable segments where its plan's allocator setting asks for them."""
     import torch
 
     from oomguard.jobs.attempt import Control
-    from oomguard.jobs.device import DeviceSpec
-    from oomguard.jobs.memory_cap import open_device_memory
-    from oomguard.jobs.sizes import CapSchedule
     from oomguard.jobs.training import build_training
     from oomguard.jobs.step_oom import free
 
@@ -212,7 +257,7 @@ def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds:
     state: list[dict[str, Any]] = []
     for label, batch_size, plan in arms:
         job, trainer = _job(job_path, batch_size)
-        memory = open_device_memory(DeviceSpec(CapSchedule(((0, cap),))), device)
+        memory = _open_memory(cap, allocator, plan)
         entry = {"label": label, "trainer": trainer, "memory": memory, "control": Control(), "training": None,
                  "rates": [], "wall_rates": [], "oom": None}
         try:
@@ -243,7 +288,7 @@ def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds:
                 entry["wall_rates"].append(wall_rate)
     results = {
         e["label"]: {"rates": e["rates"], "wall_rates": e["wall_rates"], "oom": e["oom"],
-                     "peak_bytes": e["memory"].peak_bytes()}
+                     "peak_bytes": _exact_peak(e["memory"]), "reserved_peak_bytes": e["memory"].peak_reserved()}
         for e in state
     }
     memories = [e["memory"] for e in state]
@@ -253,7 +298,7 @@ def race_task(job_path: str, cap: int, arms: list[tuple[str, int, Any]], rounds:
     return results
 
 
-def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
+def accelerate_task(job_path: str, cap: int, steps: int, allocator: str | None = None) -> dict[str, Any]:
     """accelerate's find_executable_batch_size on the job under ``cap``, around a function that
     builds the model and trains a warm step plus ``steps`` more at micro-batch == batch (no
     gradient accumulation), as accelerate's examples use it."""
@@ -262,9 +307,6 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
     from accelerate.utils.memory import should_reduce_batch_size
 
     from oomguard.jobs.attempt import Control
-    from oomguard.jobs.device import DeviceSpec
-    from oomguard.jobs.memory_cap import open_device_memory
-    from oomguard.jobs.sizes import CapSchedule
     from oomguard.jobs.training import build_training
     from oomguard.jobs.step_oom import free
     from oomguard.strategies.plan import Plan
@@ -277,7 +319,7 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
     @find_executable_batch_size(starting_batch_size=start_batch)
     def train(batch_size: int) -> tuple[int, list[float]]:
         job, trainer = _job(job_path, batch_size)
-        memory = open_device_memory(DeviceSpec(CapSchedule(((0, cap),))), device)
+        memory = _open_memory(cap, allocator)
         control = Control()
         training = None
         step = 0
@@ -316,16 +358,19 @@ def accelerate_task(job_path: str, cap: int, steps: int) -> dict[str, Any]:
     }
 
 
-def oomguard_task(job_path: str, cap: int, workdir: str, timeout: float) -> dict[str, Any]:
+def oomguard_task(job_path: str, cap: int, workdir: str, timeout: float, allocator: str | None = None) -> dict[str, Any]:
     # Over 60 lines: one CLI run and the reading of its JSON, kept side by side.
-    """The real CLI on the job under ``cap``, with the product's defaults."""
+    """The real CLI on the job under ``cap``, with the product's defaults (and
+    ``--emulate-allocator ALLOCATOR`` where one is given)."""
     from oomguard.strategies.plan import Plan
 
     command = [str(Path(sys.executable).with_name("oomguard")), "run", job_path, "--workdir", workdir,
-               "--emulate-device-memory", str(cap), "--json"]
+               "--emulate-device-memory", str(cap), *(["--emulate-allocator", allocator] if allocator else []), "--json"]
+    # oomguard's own settings from this environment would change the run: left out.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OOMGUARD_") and k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
     started = time.monotonic()
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **THREAD_ENV}, timeout=timeout)
+        proc = subprocess.run(command, capture_output=True, text=True, env={**env, **THREAD_ENV}, timeout=timeout)
     except subprocess.TimeoutExpired as expired:
         return {"command": command, "error": f"timed out after {timeout:.0f}s", "stderr": str(expired.stderr or "")[-2000:]}
     wall = time.monotonic() - started
@@ -338,14 +383,19 @@ def oomguard_task(job_path: str, cap: int, workdir: str, timeout: float) -> dict
     attempts = record.get("attempts") or []
     ooms: list[dict[str, Any]] = []
     measured: list[str] = []
+    reserved_peaks: list[int] = []
     in_process = attempt_ending = 0
     reasons: list[str] = []
     for attempt in attempts:
         outcome = attempt.get("outcome") or {}
         for m in outcome.get("measurements") or []:
             speed = f", {m['samples_per_s']:.1f} samples/s" if m.get("samples_per_s") else ""
+            reserved = f", reserved {m['reserved_bytes'] / MiB:.1f} MiB" if m.get("reserved_bytes") else ""
+            if m.get("fits") and m.get("reserved_bytes"):
+                reserved_peaks.append(m["reserved_bytes"])
             measured.append(f"attempt {attempt['number']}: [{Plan.from_dict(m['plan']).short()}] "
-                            + (f"peak {m['peak_bytes'] / MiB:.1f} MiB{speed}" if m.get("fits") else f"OOM (needed > {m['peak_bytes'] / MiB:.1f} MiB)"))
+                            + (f"peak {m['peak_bytes'] / MiB:.1f} MiB{reserved}{speed}" if m.get("fits")
+                               else f"OOM (needed > {m['peak_bytes'] / MiB:.1f} MiB{reserved})"))
             if not m.get("fits"):
                 ooms.append({
                     "attempt": attempt["number"],
@@ -372,15 +422,22 @@ def oomguard_task(job_path: str, cap: int, workdir: str, timeout: float) -> dict
             rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             # The first step of an attempt creates the optimizer state: not steady.
             run_rates = [r["samples_per_s"] for r in rows[1:] if r.get("plan") == landed.short()]
+    finished = record.get("state") == "finished"
     return {
         "command": " ".join(command),
         "rc": proc.returncode,
         "wall_s": wall,
         "state": record.get("state"),
-        "finished": record.get("state") == "finished",
+        "finished": finished,
         "attempts": len(attempts),
         "landed": landed,
         "ooms": len(ooms),
+        # The planner's first choice fits: the plan it chose from the probe's measurements
+        # trained to the end without an OOM (none recovered in the process, none ending an
+        # attempt; the probe's own OOMs are its measurements).
+        "first_choice_fits": finished and in_process == 0 and attempt_ending == 0,
+        "allocator_rung": bool(landed is not None and landed.allocator),
+        "reserved_peak_mib": round(max(reserved_peaks) / MiB, 2) if reserved_peaks else None,
         "oom_details": ooms,
         # In-process OOMs are followed by one recovery each, attempt-ending ones end an
         # attempt; the rest happened in the probe.
@@ -398,6 +455,31 @@ def oomguard_task(job_path: str, cap: int, workdir: str, timeout: float) -> dict
 # ----------------------------------------------------------------------------- the bench
 
 
+@dataclasses.dataclass(frozen=True)
+class Emulation:
+    """How the emulated device allocates: ``allocator`` None counts the live bytes of tensors
+    (exact); else the --emulate-allocator value of the caching allocator's emulation, whose
+    figure for caps, oracles and fits is the peak *reserved* memory."""
+
+    name: str
+    allocator: str | None
+
+    @property
+    def figure(self) -> str:
+        return "reserved_peak_bytes" if self.allocator else "peak_bytes"
+
+    @property
+    def slug(self) -> str:
+        return "exact" if self.allocator is None else "caching"
+
+
+EXACT = Emulation("exact", None)
+# The bench's models are about a thousandth of a real one, their caps MiB where cards have GiB:
+# the allocator's sizes (rounding, segments, pages) divided by 1024 weigh as on a card.
+CACHING = Emulation("caching/1024", "caching/1024")
+EMULATIONS = {"exact": (EXACT,), "caching/1024": (CACHING,), "both": (EXACT, CACHING)}
+
+
 @dataclasses.dataclass
 class Job:
     name: str
@@ -407,12 +489,20 @@ class Job:
     candidates: list[Any]
     tiers: dict[int, list[Any]]  # faithfulness -> the plans of that tier the sweep may measure
     # Sweep results by plan; shared between job files that train the same thing and differ
-    # only in their ladder.
+    # only in their ladder, and between the emulations (a sweep under the caching allocator's
+    # emulation records the exact bytes too).
     results: dict[Any, dict[str, Any]]
+    # Whose figures peak() answers: the exact peak or, under the caching emulation, the reserved one.
+    emulation: Emulation = EXACT
+
+    def key(self, plan: Any) -> Any:
+        """The plan as this emulation trains it: under the caching allocator's emulation the
+        allocator setting (expandable segments) changes what is reserved, so it is kept."""
+        return plan if self.emulation.allocator else key(plan)
 
     def peak(self, plan: Any) -> int | None:
-        result = self.results.get(key(plan))
-        return result["peak_bytes"] if result else None
+        result = self.results.get(self.key(plan))
+        return result.get(self.emulation.figure) if result else None
 
     def sweep_rate(self, plan: Any) -> float:
         return statistics.median(self.results[key(plan)]["rates"])
@@ -496,8 +586,10 @@ class Pool:
         self.executor.shutdown(cancel_futures=True)
 
 
-def sweep(pool: Pool, steps: int, work: Iterable[tuple[Job, Any]], label: str) -> None:
-    """Measure the plans not measured yet (once per set of shared results)."""
+def sweep(pool: Pool, steps: int, work: Iterable[tuple[Job, Any]], label: str, allocator: str | None = None) -> None:
+    """Measure the plans not measured yet (once per set of shared results), under the caching
+    allocator's emulation where ``allocator`` names it (then both the exact and the reserved
+    peaks are recorded)."""
     todo: dict[tuple[int, Any], tuple[Job, Any]] = {}
     for job, plan in work:
         if key(plan) not in job.results:
@@ -505,10 +597,11 @@ def sweep(pool: Pool, steps: int, work: Iterable[tuple[Job, Any]], label: str) -
     work = list(todo.values())
     if not work:
         return
-    tasks = [(sweep_task, (job.path, plan, steps)) for job, plan in work]
+    tasks = [(sweep_task, (job.path, plan, steps, allocator)) for job, plan in work]
 
     def describe(i: int, r: dict[str, Any]) -> str:
-        return (f"{work[i][0].name} [{r['plan'].short()}] peak {r['peak_bytes'] / MiB:.1f} MiB, "
+        reserved = f" (reserved {r['reserved_peak_bytes'] / MiB:.1f})" if r.get("reserved_peak_bytes") is not None else ""
+        return (f"{work[i][0].name} [{r['plan'].short()}] peak {r['peak_bytes'] / MiB:.1f} MiB{reserved}, "
                 f"~{statistics.median(r['rates']):.1f} samples/s")
 
     for (job, plan), result in zip(work, pool.run(label, tasks, describe)):
@@ -529,7 +622,7 @@ def derive_caps(job: Job) -> list[dict[str, Any]]:
     return [{"cap": int(cap) // 1024 * 1024, "rule": rule} for cap, rule in kept]
 
 
-def approximate_cap(pool: Pool, steps: int, job: Job) -> dict[str, Any] | None:
+def approximate_cap(pool: Pool, steps: int, job: Job, allocator: str | None = None) -> dict[str, Any] | None:
     """For a job that allows approximate rungs: a cap under every exact plan, midway between
     the lowest exact peak and the lowest peak of the most faithful approximate tier that goes
     lower, so that the oracle is in that tier. None if no approximate plan goes lower."""
@@ -537,7 +630,7 @@ def approximate_cap(pool: Pool, steps: int, job: Job) -> dict[str, Any] | None:
 
     lowest = min(job.peak(p) for p in job.tiers[0])
     for tier in sorted(t for t in job.tiers if t > 0):
-        sweep(pool, steps, [(job, p) for p in job.floor(tier)], f"sweep ({job.name}: lowest peaks of tier {tier})")
+        sweep(pool, steps, [(job, p) for p in job.floor(tier)], f"sweep ({job.name}: lowest peaks of tier {tier})", allocator)
         floor = min(job.peak(p) for p in job.floor(tier))
         if floor < lowest * (1 - MIN_GAP):
             rung = rungs.names()[tier - 1]
@@ -612,7 +705,19 @@ def main() -> int:
     )
     parser.add_argument("--no-multi-gpu-pairs", action="store_true", help="skip the pairs on several GPUs (bench/multi_gpu_pairs.py)")
     parser.add_argument("--no-graded-pairs", action="store_true", help="skip the checkpointing grades' pairs (bench/graded_pairs.py)")
+    parser.add_argument("--no-allocator-pairs", action="store_true",
+                        help="skip the fragmentation pairs and the allocator rung's effect (bench/allocator_pairs.py)")
+    parser.add_argument("--allocator", choices=sorted(EMULATIONS), default="both",
+                        help="which emulation of device memory the pairs run under: exact bytes, the caching allocator's "
+                             "(--emulate-allocator caching/1024; caps from the reserved peaks), or both, each pair under each "
+                             "(default: both)")
+    parser.add_argument("--no-accelerate-under-caching", action="store_true",
+                        help="skip the accelerate arm under the caching allocator's emulation")
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="measure nothing: write the report (.md, .png) again from a results file this script wrote")
     args = parser.parse_args()
+    if args.render is not None:
+        return render(args.render, args.update_readme)
     whole = not args.jobs and not args.only
     if args.update_readme and not whole:
         parser.error("--update-readme summarises the whole job set: run it without job files and --jobs")
@@ -643,77 +748,95 @@ def main() -> int:
             + ", ".join(f"{len(ps)} to sweep of faithfulness {t}" for t, ps in sorted(job.tiers.items()))
             + (" (approximate ones only as far as a cap needs them)" if len(job.tiers) > 1 else ""))
 
+    emulations = EMULATIONS[args.allocator]
+    # One sweep serves every emulation: under the caching allocator's emulation the device
+    # counts the live bytes as the exact one does, and records what the allocator reserved.
+    sweep_allocator = next((e.allocator for e in emulations if e.allocator), None)
     pool = Pool(args.workers)
     scratch = Path(tempfile.mkdtemp(prefix="oomguard-bench-"))
     try:
         # 1. The exact tier of every job, and the job's own plan (the caps' reference); then
         # each frozen-part rung's step from the own plan, for the savings table.
-        sweep(pool, args.steps, [(job, p) for job in jobs for p in [*job.tiers[0], job.start]], "sweep")
+        sweep(pool, args.steps, [(job, p) for job in jobs for p in [*job.tiers[0], job.start]], "sweep", sweep_allocator)
         sweep(pool, args.steps, [(job, p) for job in jobs for p in frozen_savings.extra_plans(job.spec, job.start)],
-              "sweep (frozen-part rungs at the own plans)")
+              "sweep (frozen-part rungs at the own plans)", sweep_allocator)
 
-        # 2. Caps; then, per cap, the plans the oracle needs.
-        pairs: list[dict[str, Any]] = []
-        for job in jobs:
-            caps = derive_caps(job)
-            if len(job.tiers) > 1 and (extra := approximate_cap(pool, args.steps, job)) is not None:
-                caps.append(extra)
-            pairs += [{"job": job, **cap} for cap in caps]
-        while missing := [(pair["job"], p) for pair in pairs for p in unmeasured_for(pair["job"], pair["cap"])[1]]:
-            sweep(pool, args.steps, missing, "sweep (up to the caps)")
-        for n, pair in enumerate(pairs, 1):
-            pair["n"] = n
-            pair["tier"] = unmeasured_for(pair["job"], pair["cap"])[0]
-            pair["candidates"], pair["no_offload"] = [], []
-            if pair["tier"] is not None:
-                pair["candidates"] = race_candidates(pair["job"], pair["tier"], pair["cap"])
-                if any(p.offload != "none" for p in pair["job"].tiers[pair["tier"]]):
-                    pair["no_offload"] = race_candidates(pair["job"], pair["tier"], pair["cap"], without_offload=True)
-                    pair["candidates"] += [p for p in pair["no_offload"] if p not in pair["candidates"]]
-            log(f"pair {n}/{len(pairs)}: {pair['job'].name} at {pair['cap'] / MiB:.1f} MiB ({pair['rule']}): "
-                + (f"oracle among {', '.join(f'[{p.short()}]' for p in pair['candidates'])}" if pair["candidates"] else "no plan fits"))
+        # 2. Caps, per emulation from its own figures (the same rules); then, per cap, the plans
+        # the oracle needs.
+        sides: dict[str, dict[str, Any]] = {}
+        for emulation in emulations:
+            side_jobs = [dataclasses.replace(job, emulation=emulation) for job in jobs]
+            pairs: list[dict[str, Any]] = []
+            for job in side_jobs:
+                caps = derive_caps(job)
+                if len(job.tiers) > 1 and (extra := approximate_cap(pool, args.steps, job, sweep_allocator)) is not None:
+                    caps.append(extra)
+                pairs += [{"job": job, **cap} for cap in caps]
+            while missing := [(pair["job"], p) for pair in pairs for p in unmeasured_for(pair["job"], pair["cap"])[1]]:
+                sweep(pool, args.steps, missing, "sweep (up to the caps)", sweep_allocator)
+            for n, pair in enumerate(pairs, 1):
+                pair["n"] = n
+                pair["tier"] = unmeasured_for(pair["job"], pair["cap"])[0]
+                pair["candidates"], pair["no_offload"] = [], []
+                if pair["tier"] is not None:
+                    pair["candidates"] = race_candidates(pair["job"], pair["tier"], pair["cap"])
+                    if any(p.offload != "none" for p in pair["job"].tiers[pair["tier"]]):
+                        pair["no_offload"] = race_candidates(pair["job"], pair["tier"], pair["cap"], without_offload=True)
+                        pair["candidates"] += [p for p in pair["no_offload"] if p not in pair["candidates"]]
+                log(f"{emulation.name} pair {n}/{len(pairs)}: {pair['job'].name} at {pair['cap'] / MiB:.1f} MiB ({pair['rule']}): "
+                    + (f"oracle among {', '.join(f'[{p.short()}]' for p in pair['candidates'])}" if pair["candidates"] else "no plan fits"))
+            sides[emulation.name] = {"emulation": emulation, "jobs": side_jobs, "pairs": pairs}
 
-        # 3. oomguard and accelerate on every pair.
+        # 3. oomguard and accelerate on every pair of every emulation.
         tasks: list[tuple[Callable[..., Any], tuple[Any, ...]]] = []
-        for pair in pairs:
-            job = pair["job"]
-            workdir = scratch / f"pair-{pair['n']:02d}-{job.name}"
-            tasks.append((oomguard_task, (job.path, pair["cap"], str(workdir), args.timeout)))
-            tasks.append((accelerate_task, (job.path, pair["cap"], 1)))
+        slots: list[tuple[dict[str, Any], str]] = []
+        for side in sides.values():
+            emulation = side["emulation"]
+            for pair in side["pairs"]:
+                job = pair["job"]
+                workdir = scratch / f"{emulation.slug}-pair-{pair['n']:02d}-{job.name}"
+                tasks.append((oomguard_task, (job.path, pair["cap"], str(workdir), args.timeout, emulation.allocator)))
+                slots.append((pair, "oomguard"))
+                if emulation.allocator and args.no_accelerate_under_caching:
+                    pair["accelerate"] = None
+                    continue
+                tasks.append((accelerate_task, (job.path, pair["cap"], 1, emulation.allocator)))
+                slots.append((pair, "accelerate"))
 
         def describe_run(i: int, r: dict[str, Any]) -> str:
-            pair = pairs[i // 2]
-            head = f"pair {pair['n']} {pair['job'].name} @ {pair['cap'] / MiB:.1f} MiB: "
-            if i % 2 == 0:
+            pair, arm = slots[i]
+            head = f"{pair['job'].emulation.name} pair {pair['n']} {pair['job'].name} @ {pair['cap'] / MiB:.1f} MiB: "
+            if arm == "oomguard":
                 if r.get("error"):
                     return head + f"oomguard ERROR: {r['error']}"
                 landed = r["landed"].short() if r.get("landed") else "?"
                 return head + f"oomguard {r['state']} on [{landed}], {r['ooms']} OOMs, {r['attempts']} attempt(s), {r['wall_s']:.0f}s"
             return head + f"accelerate batch {r['batch_size'] or 'none'}, {r['ooms']} OOMs"
 
-        results = pool.run("run", tasks, describe_run)
-        for pair in pairs:
-            pair["oomguard"], pair["accelerate"] = results[2 * (pair["n"] - 1)], results[2 * (pair["n"] - 1) + 1]
+        for (pair, arm), result in zip(slots, pool.run("run", tasks, describe_run)):
+            pair[arm] = result
 
-        # 4. The race: oracle candidates, oomguard's plan and accelerate's batch side by side.
+        # 4. The race: oracle candidates, oomguard's plan and accelerate's batch side by side,
+        # under the pair's emulation.
         tasks, raced = [], []
-        for pair in pairs:
-            job = pair["job"]
-            arms = [(f"plan:{p.short()}", job.spec.train.batch_size, p) for p in pair["candidates"]]
-            landed = pair["oomguard"].get("landed")
-            if landed is not None and pair["oomguard"].get("finished") and key(landed) not in pair["candidates"]:
-                arms.append((f"plan:{key(landed).short()}", job.spec.train.batch_size, key(landed)))
-            batch = pair["accelerate"]["batch_size"]
-            # accelerate at the job's own batch runs the job's own plan: no arm of its own.
-            if batch is not None and not (batch == job.spec.train.batch_size and any(key(_initial(batch)) == key(p) for _, _, p in arms)):
-                arms.append(("accelerate", batch, _initial(batch)))
-            if arms:
-                tasks.append((race_task, (job.path, pair["cap"], arms, args.rounds)))
-                raced.append(pair)
+        for side in sides.values():
+            for pair in side["pairs"]:
+                job = pair["job"]
+                arms = [(f"plan:{p.short()}", job.spec.train.batch_size, p) for p in pair["candidates"]]
+                landed = pair["oomguard"].get("landed")
+                if landed is not None and pair["oomguard"].get("finished") and job.key(landed) not in pair["candidates"]:
+                    arms.append((f"plan:{job.key(landed).short()}", job.spec.train.batch_size, job.key(landed)))
+                batch = pair["accelerate"]["batch_size"] if pair["accelerate"] else None
+                # accelerate at the job's own batch runs the job's own plan: no arm of its own.
+                if batch is not None and not (batch == job.spec.train.batch_size and any(key(_initial(batch)) == job.key(p) for _, _, p in arms)):
+                    arms.append(("accelerate", batch, _initial(batch)))
+                if arms:
+                    tasks.append((race_task, (job.path, pair["cap"], arms, args.rounds, job.emulation.allocator)))
+                    raced.append(pair)
 
         def describe_race(i: int, r: dict[str, Any]) -> str:
             pair = raced[i]
-            return f"pair {pair['n']} {pair['job'].name} @ {pair['cap'] / MiB:.1f} MiB: " + ", ".join(
+            return f"{pair['job'].emulation.name} pair {pair['n']} {pair['job'].name} @ {pair['cap'] / MiB:.1f} MiB: " + ", ".join(
                 f"{label.removeprefix('plan:')} " + (f"OOM {a['oom']}" if a["oom"] else f"{statistics.median(a['rates']):.1f}")
                 for label, a in r.items())
 
@@ -725,6 +848,7 @@ def main() -> int:
         contention = None if args.no_contention_pairs or not whole else contention_pairs.measure(scratch / "contention-pairs")
         multi_gpu = None if args.no_multi_gpu_pairs or not whole else multi_gpu_pairs.measure(scratch / "multi-gpu-pairs")
         graded = None if args.no_graded_pairs or not whole else graded_pairs.measure(scratch / "graded-pairs")
+        fragmentation = None if args.no_allocator_pairs or not whole else allocator_pairs.measure(scratch / "allocator-pairs")
     finally:
         pool.close()
         if args.keep_workdirs:
@@ -732,23 +856,86 @@ def main() -> int:
         else:
             shutil.rmtree(scratch, ignore_errors=True)
 
-    summary = summarise(jobs, pairs, machine, args, planner)
+    # The first emulation's results are the report's top level (as before the caching one
+    # existed); every emulation's are under "emulations".
+    by_emulation = {name: summarise(side["jobs"], side["pairs"], machine, args, planner) for name, side in sides.items()}
+    summary = dict(next(iter(by_emulation.values())))
+    summary["emulations"] = {name: {k: s[k] for k in ("emulation", "medians", "offload_speedup", "pairs")} for name, s in by_emulation.items()}
+    summary["reserved_check"] = reserved_check(jobs) if sweep_allocator else None
     summary["command_pairs"] = commands
     summary["contention_pairs"] = contention
     summary["multi_gpu_pairs"] = multi_gpu
     summary["graded_pairs"] = graded
+    summary["allocator_pairs"] = fragmentation
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{results_name}.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    plotted = plot(summary, args.out / f"{results_name}.png")
-    (args.out / f"{results_name}.md").write_text(markdown(summary, f"{results_name}.png" if plotted else None))
+    plotted = write_report(summary, args.out, results_name)
+    if fragmentation is not None:
+        allocator_pairs.write(fragmentation, args.out)
     if args.update_readme:
         update_readme(summary)
-    s = summary["medians"]
-    log(f"median OOMs per pair: oomguard {s['oomguard_ooms']}, accelerate {s['accelerate_ooms']}; "
-        f"median fraction of the oracle: oomguard {_fmt(s['oomguard_fraction'])}, accelerate {_fmt(s['accelerate_fraction'])}")
+    for name, side in summary["emulations"].items():
+        s = side["medians"]
+        log(f"{name}: median OOMs per pair: oomguard {s['oomguard_ooms']}, accelerate {s['accelerate_ooms']}; "
+            f"median fraction of the oracle: oomguard {_fmt(s['oomguard_fraction'])}, accelerate {_fmt(s['accelerate_fraction'])}; "
+            f"first choice fits in {s['oomguard_first_choice_fits']} of {s['pairs']}; finished {s['oomguard_finished']}")
+    if summary["reserved_check"]:
+        c = summary["reserved_check"]
+        log(f"reserved >= exact peak: {c['plans'] - len(c['violations'])} of {c['plans']} plans")
     log(f"wrote {args.out / results_name}.md, .json" + (", .png" if plotted else " (no plot: matplotlib is missing)")
         + f"; total {(time.monotonic() - STARTED) / 60:.1f} min")
     return 0
+
+
+def write_report(summary: dict[str, Any], out: Path, results_name: str) -> bool:
+    """NAME.md and a plot per emulation: NAME.png for the first (the exact one under both),
+    NAME-caching.png beside it. False if matplotlib is missing (no plots)."""
+    plots: dict[str, str] = {}
+    for n, (name, side) in enumerate(summary["emulations"].items()):
+        png = f"{results_name}.png" if n == 0 else f"{results_name}-{EMULATIONS[name][0].slug}.png"
+        if plot({**side, "emulation": name}, out / png):
+            plots[name] = png
+    (out / f"{results_name}.md").write_text(markdown(summary, plots))
+    return bool(plots)
+
+
+def render(path: Path, readme: bool) -> int:
+    """The report again from ``path`` (a results file of this script), beside it."""
+    summary = json.loads(path.read_text())
+    summary.setdefault("emulations", {summary.get("emulation") or "exact": {
+        "emulation": "exact", **{k: summary[k] for k in ("medians", "offload_speedup", "pairs")}}})
+    write_report(summary, path.parent, path.stem)
+    if readme:
+        update_readme(summary)
+    log(f"wrote {path.with_suffix('.md')} from {path}")
+    return 0
+
+
+def reserved_check(jobs: list[Job]) -> dict[str, Any]:
+    """Every plan swept under the caching allocator's emulation: its peak reserved memory
+    against the exact emulation's peak (the live bytes, counted in the same run). The caching
+    allocator reserves at least what is live, so reserved < exact would be a bug."""
+    rows: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for job in jobs:
+        if id(job.results) in seen:
+            continue
+        seen.add(id(job.results))
+        for result in job.results.values():
+            if result.get("reserved_peak_bytes") is None:
+                continue
+            rows.append({"job": job.name, "plan": result["plan"].short(), "exact_peak_bytes": result["peak_bytes"],
+                         "allocated_peak_bytes": result["allocated_peak_bytes"], "reserved_peak_bytes": result["reserved_peak_bytes"],
+                         "ratio": result["reserved_peak_bytes"] / result["peak_bytes"] if result["peak_bytes"] else None})
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    return {
+        "plans": len(rows),
+        "violations": [r for r in rows if r["reserved_peak_bytes"] < r["exact_peak_bytes"]],
+        "ratio_min": min(ratios, default=None),
+        "ratio_median": median(ratios),
+        "ratio_max": max(ratios, default=None),
+        "rows": rows,
+    }
 
 
 def select_jobs(files: list[Path], only: str | None) -> list[Path]:
@@ -784,14 +971,16 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
     whole = not args.jobs and not args.only
     rows = []
     for pair in pairs:
-        job, og, acc, race = pair["job"], pair["oomguard"], pair["accelerate"], pair.get("race", {})
+        job, og, race = pair["job"], pair["oomguard"], pair.get("race", {})
+        # The accelerate arm may be skipped under the caching emulation (--no-accelerate-under-caching).
+        acc = pair["accelerate"] or {"batch_size": None, "kept_batch": None, "ooms": None, "oom_recognised_by_accelerate": None, "skipped": True}
 
         def race_rate(label: str) -> float | None:
             arm = race.get(label)
             return statistics.median(arm["rates"]) if arm and arm["rates"] and not arm["oom"] else None
 
         landed = og.get("landed")
-        landed_key = key(landed) if landed is not None else None
+        landed_key = job.key(landed) if landed is not None else None
         # The oracle: the fastest raced plan of the oracle tier that fitted under the cap
         # (oomguard's plan competes when it is of that tier and fits).
         contenders = list(pair["candidates"])
@@ -813,9 +1002,9 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
             # oomguard's own plan competes here too (it may have offload): at most 1.
             plain_fraction = min(1.0, landed_rate / plain_rate) if og.get("finished") and landed_rate else 0.0
         acc_batch = acc["batch_size"]
-        acc_rate = race_rate("accelerate") if "accelerate" in race or acc_batch != job.spec.train.batch_size \
+        acc_rate = None if acc.get("skipped") else race_rate("accelerate") if "accelerate" in race or acc_batch != job.spec.train.batch_size \
             else race_rate(f"plan:{key(_initial(acc_batch)).short()}")
-        acc_fraction = (acc_rate / best_rate if acc_rate else 0.0) if best_rate else None
+        acc_fraction = None if acc.get("skipped") else (acc_rate / best_rate if acc_rate else 0.0) if best_rate else None
         rows.append({
             "pair": pair["n"],
             "job": job.name,
@@ -826,6 +1015,9 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
             "oracle_plan": best.short() if best else None,
             "oracle_faithfulness": pair["tier"],
             "oracle_peak_mib": round(job.peak(best) / MiB, 1) if best is not None and job.peak(best) else None,
+            # The race's peaks under the cap: live bytes, and under the caching emulation reserved.
+            "oracle_race_peak_mib": _race_peak(race, best, "peak_bytes"),
+            "oracle_race_reserved_mib": _race_peak(race, best, "reserved_peak_bytes"),
             "oracle_samples_per_s": best_rate,
             "oracle_without_offload": plain_best.short() if plain_best else None,
             "oracle_without_offload_samples_per_s": plain_rate,
@@ -865,6 +1057,8 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
                     "steady_peak_mib": round(r["steady_peak_bytes"] / MiB, 2) if r["steady_peak_bytes"] else None,
                     "samples_per_s": statistics.median(r["rates"]),
                     "frozen_mib": round(r["static_bytes"]["frozen"] / MiB, 3) if r.get("static_bytes") else None,
+                    "allocated_peak_mib": round(r["allocated_peak_bytes"] / MiB, 2) if r.get("allocated_peak_bytes") is not None else None,
+                    "reserved_peak_mib": round(r["reserved_peak_bytes"] / MiB, 2) if r.get("reserved_peak_bytes") is not None else None,
                 }
                 for r in sorted(measured, key=lambda r: (planner.faithfulness(job.start, r["plan"]), -r["peak_bytes"], r["plan"].short()))
                 if key(r["plan"]) not in done
@@ -881,14 +1075,19 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
             if plan.offload != "none" and f"plan:{plan.short()}" in arms and f"plan:{twin.short()}" in arms:
                 offload_ratios.append(arms[f"plan:{plan.short()}"] / arms[f"plan:{twin.short()}"])
     return {
-        "command": "make bench   # = .venv/bin/python bench/ladder.py" if whole else shlex.join([".venv/bin/python", "bench/ladder.py", *sys.argv[1:]]),
+        "command": "make bench   # = .venv/bin/python bench/ladder.py" if whole and not sys.argv[1:]
+        else shlex.join([".venv/bin/python", "bench/ladder.py", *sys.argv[1:]]),
         "arguments": sys.argv[1:],
         "machine": {**machine, "load_average_at_end": os.getloadavg()[0], "total_minutes": round((time.monotonic() - STARTED) / 60, 1)},
         "settings": {"whole_job_set": whole, "sweep_steps": args.steps, "race_rounds": args.rounds, "all_micro_batches": args.all_micro_batches,
                      "cap_fractions": CAP_FRACTIONS, "tight": TIGHT, "below_exact": BELOW_EXACT},
+        "emulation": jobs[0].emulation.name if jobs else None,
         "medians": {
             "pairs": len(rows),
             "oomguard_ooms": median(r["oomguard"].get("ooms") for r in rows),
+            "oomguard_first_choice_fits": sum(bool(r["oomguard"].get("first_choice_fits")) for r in rows),
+            "oomguard_at_most_one_oom": sum((r["oomguard"].get("ooms") is not None and r["oomguard"]["ooms"] <= 1) for r in rows),
+            "oomguard_allocator_rung": sum(bool(r["oomguard"].get("allocator_rung")) for r in rows),
             "accelerate_ooms": median(r["accelerate"]["ooms"] for r in rows),
             "oomguard_fraction": median(r["oomguard"]["fraction_of_oracle"] for r in with_oracle),
             "oomguard_fraction_without_offload": median(r["oomguard"]["fraction_of_oracle_without_offload"] for r in with_oracle),
@@ -909,22 +1108,103 @@ def summarise(jobs: list[Job], pairs: list[dict[str, Any]], machine: dict[str, A
     }
 
 
+def _race_peak(race: dict[str, Any], plan: Any, figure: str) -> float | None:
+    arm = race.get(f"plan:{plan.short()}") if plan is not None else None
+    value = arm.get(figure) if arm else None
+    return round(value / MiB, 2) if value else None
+
+
 def _fmt(value: float | None, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
 
 
 def summary_table(summary: dict[str, Any]) -> str:
-    s = summary["medians"]
-    return "\n".join([
-        f"| {s['pairs']} (job, cap) pairs | oomguard | accelerate `find_executable_batch_size` |",
-        "|---|---|---|",
-        f"| median OOMs per pair | {_fmt(s['oomguard_ooms'], 'g')} | {_fmt(s['accelerate_ooms'], 'g')} |",
-        f"| median samples/s as a fraction of the oracle's | {_fmt(s['oomguard_fraction'])} | {_fmt(s['accelerate_fraction'])} |",
-        *([f"| the same against the fastest plan without optimizer offload (diagnostic: see 'Optimizer offload' in ladder.md) | "
-           f"{_fmt(s['oomguard_fraction_without_offload'])} | |"] if s.get("oomguard_fraction_without_offload") is not None else []),
-        f"| finished | {s['oomguard_finished']} of {s['pairs']} | {s['accelerate_found_a_batch']} of {s['pairs']} found a batch that runs |",
-        f"| kept the effective batch | always (exact rungs keep it) | {s['accelerate_kept_batch']} of {s['pairs']} |",
-    ])
+    """The medians of one emulation, or of each emulation side by side (``summary`` with
+    "emulations" of more than one)."""
+    sides = summary.get("emulations") or {summary.get("emulation") or "exact": summary}
+    head = ["|"]
+    rule = ["|---|"]
+    for name, side in sides.items():
+        suffix = f" ({name})" if len(sides) > 1 else ""
+        head.append(f" oomguard{suffix} | accelerate `find_executable_batch_size`{suffix} |")
+        rule.append("---|---|")
+
+    def row(label: str, cell: Callable[[dict[str, Any]], tuple[str, str]]) -> str:
+        cells = [cell(side["medians"]) for side in sides.values()]
+        return f"| {label} | " + " | ".join(f"{a} | {b}" for a, b in cells) + " |"
+
+    def skipped(s: dict[str, Any]) -> bool:
+        return s["accelerate_ooms"] is None and s["accelerate_found_a_batch"] == 0
+
+    pairs = {side["medians"]["pairs"] for side in sides.values()}
+    lines = [
+        f"| {'/'.join(map(str, sorted(pairs)))} (job, cap) pairs |" + "".join(head[1:]),
+        "".join(rule),
+        row("median OOMs per pair", lambda s: (_fmt(s["oomguard_ooms"], "g"), "skipped" if skipped(s) else _fmt(s["accelerate_ooms"], "g"))),
+        row("median samples/s as a fraction of the oracle's", lambda s: (_fmt(s["oomguard_fraction"]), _fmt(s["accelerate_fraction"]))),
+    ]
+    if any(side["medians"].get("oomguard_fraction_without_offload") is not None for side in sides.values()):
+        lines.append(row("the same against the fastest plan without optimizer offload (diagnostic: see 'Optimizer offload' in ladder.md)",
+                         lambda s: (_fmt(s.get("oomguard_fraction_without_offload")), "")))
+    lines += [
+        row("the planner's first choice fits (no OOM after the probe's)",
+            lambda s: (f"{s['oomguard_first_choice_fits']} of {s['pairs']}" if "oomguard_first_choice_fits" in s else "—", "")),
+        row("landed with at most one OOM",
+            lambda s: (f"{s['oomguard_at_most_one_oom']} of {s['pairs']}" if "oomguard_at_most_one_oom" in s else "—", "")),
+        row("finished", lambda s: (f"{s['oomguard_finished']} of {s['pairs']}",
+                                   "skipped" if skipped(s) else f"{s['accelerate_found_a_batch']} of {s['pairs']} found a batch that runs")),
+        row("kept the effective batch", lambda s: ("always (exact rungs keep it)", "skipped" if skipped(s) else f"{s['accelerate_kept_batch']} of {s['pairs']}")),
+    ]
+    return "\n".join(lines)
+
+
+def both_section(sides: dict[str, dict[str, Any]]) -> list[str]:
+    """The pairs of two emulations side by side, matched by (job, cap rule). The rules are the
+    same, but each emulation's caps come from its own peaks, so the gap rule (MIN_GAP) or the
+    tight cap may keep a cap in one and drop it in the other."""
+    if len(sides) != 2:
+        return []
+    (a_name, a), (b_name, b) = sides.items()
+    a_rows = {(r["job"], r["cap_rule"]): r for r in a["pairs"]}
+    b_rows = {(r["job"], r["cap_rule"]): r for r in b["pairs"]}
+    keys = list(dict.fromkeys([*a_rows, *b_rows]))
+
+    def cells(r: dict[str, Any] | None) -> str:
+        if r is None:
+            return "— | (no such cap) | |"
+        og = r["oomguard"]
+        plan = f"`{og['landed_plan']}`" if og.get("landed_plan") else "—"
+        if og.get("error"):
+            plan = f"error: {og['error']}"
+        elif not og.get("finished"):
+            plan += f" ({og.get('state')})"
+        first = "yes" if og.get("first_choice_fits") else "no"
+        return f"{r['cap_mib']} | {plan} | {og.get('ooms', '—')} ({first}) | {_fmt(og.get('fraction_of_oracle'))}"
+
+    out = ["## Both emulations, pair by pair", "",
+           f"The same (job, cap rule) under {a_name} and {b_name}: each cap from that emulation's own peaks (exact, reserved), "
+           "so a rule's cap differs, and the gap rule or the tight cap may keep a cap in one emulation and drop it in the other. "
+           "*OOMs (first choice fits)*: all OOMs, and whether the planner's first choice after the probe trained to the end.", "",
+           f"| job | cap rule | {a_name} cap MiB | oomguard plan | OOMs (first choice fits) | fraction | {b_name} cap MiB | oomguard plan | "
+           "OOMs (first choice fits) | fraction |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    out += [f"| {job} | {rule} | {cells(a_rows.get((job, rule)))} | {cells(b_rows.get((job, rule)))} |" for job, rule in keys]
+    return [*out, ""]
+
+
+def reserved_section(check: dict[str, Any] | None) -> list[str]:
+    if not check:
+        return []
+    out = ["## Reserved (caching allocator) against exact peaks", "",
+           f"Every plan swept under `--emulate-allocator caching/1024` also counted its live bytes as the exact emulation does "
+           f"(one run, both figures). Peak reserved ≥ exact peak in **{check['plans'] - len(check['violations'])} of "
+           f"{check['plans']}** plans; reserved / exact from {_fmt(check['ratio_min'], '.3f')} to {_fmt(check['ratio_max'], '.3f')} "
+           f"(median {_fmt(check['ratio_median'], '.3f')}). Each plan's figures are in the sweeps' tables below.", ""]
+    if check["violations"]:
+        out += ["Plans where reserved < exact:", "", "| job | plan | exact MiB | reserved MiB |", "|---|---|---|---|"]
+        out += [f"| {v['job']} | `{v['plan']}` | {v['exact_peak_bytes'] / MiB:.2f} | {v['reserved_peak_bytes'] / MiB:.2f} |" for v in check["violations"]]
+        out.append("")
+    return out
 
 
 def pair_table(summary: dict[str, Any]) -> str:
@@ -935,6 +1215,8 @@ def pair_table(summary: dict[str, Any]) -> str:
     for r in summary["pairs"]:
         og, acc = r["oomguard"], r["accelerate"]
         plan = f"`{og['landed_plan']}`" if og.get("landed_plan") else "—"
+        if og.get("reserved_peak_mib") is not None:
+            plan += f" (reserved {og['reserved_peak_mib']:g} MiB)"
         if og.get("error"):
             plan = f"error: {og['error']}"
         elif not og.get("finished"):
@@ -943,15 +1225,51 @@ def pair_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {r['pair']} | {r['job']} | {r['cap_mib']} | {r['cap_rule']} | {oracle} | {_fmt(r['oracle_samples_per_s'], '.1f')} | "
             f"{plan} | {og.get('ooms', '—')} | {og.get('attempts', '—')} | {_fmt(og.get('fraction_of_oracle'))} | {_fmt(og.get('wall_s'), '.0f')} | "
-            f"{acc['batch_size'] or 'none'} | {'yes' if acc['kept_batch'] else 'no'} | {acc['ooms']} | {_fmt(acc['fraction_of_oracle'])} |"
+            + ("skipped | | | |" if acc.get("skipped") else
+               f"{acc['batch_size'] or 'none'} | {'yes' if acc['kept_batch'] else 'no'} | {acc['ooms']} | {_fmt(acc['fraction_of_oracle'])} |")
         )
     return "\n".join(lines)
 
 
-def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
+def flagged_section(side: dict[str, Any], suffix: str) -> list[str]:
+    """The pairs where oomguard fell short (under TARGET_FRACTION of the oracle, over one OOM,
+    an error), each with what it measured and why it changed plans."""
+    out: list[str] = []
+    flagged = [r for r in side["pairs"]
+               if (r["oomguard"].get("fraction_of_oracle") is not None and r["oomguard"]["fraction_of_oracle"] < TARGET_FRACTION)
+               or (r["oomguard"].get("ooms") or 0) > 1 or r["oomguard"].get("error")]
+    out += [f"## Pairs where oomguard reached less than {TARGET_FRACTION} of the oracle or took more than one OOM{suffix}", ""]
+    if not flagged:
+        out += ["None.", ""]
+    for r in flagged:
+        og = r["oomguard"]
+        out += [f"### Pair {r['pair']}: {r['job']} at {r['cap_mib']} MiB: oracle `{r['oracle_plan']}`, oomguard "
+                f"`{og.get('landed_plan')}` ({og.get('state')}), {og.get('ooms')} OOMs, fraction {_fmt(og.get('fraction_of_oracle'))}", ""]
+        if og.get("error"):
+            out += ["```", str(og["error"]), str(og.get("stderr", ""))[-1500:], "```", ""]
+            continue
+        raced = ", ".join(f"`{p}` {_fmt(v, '.1f')}" for p, v in r["raced_plans"].items())
+        plain = (f" Against the fastest raced plan without optimizer offload (`{r['oracle_without_offload']}`, "
+                 f"{_fmt(r['oracle_without_offload_samples_per_s'], '.1f')}): {_fmt(og.get('fraction_of_oracle_without_offload'))}."
+                 if r.get("oracle_without_offload") else "")
+        out += [f"Raced (samples/s): {raced}; oomguard's plan {_fmt(og.get('landed_samples_per_s'), '.1f')}.{plain}", "",
+                f"OOMs: {og['ooms_in_probe']} in the probe, {og['ooms_in_process']} recovered in the process, "
+                f"{og['ooms_ending_attempts']} ending an attempt.", ""]
+        out += [f"- OOM in attempt {d['attempt']} at step {d['step']}: `[{d['plan']}]` needed at least "
+                f"{d['needed_at_least_mib']} MiB of {d['capacity_mib']} MiB" for d in og.get("oom_details", [])]
+        out += [f"- oomguard measured: {m}" for m in og.get("measurements", [])]
+        out += [f"- plan change: {reason}" for reason in og.get("reasons", [])]
+        out += [f"- event: {e}".replace("\n", "\n  ") for e in og.get("events", [])
+                if not e.startswith(("queued", "started", "finished")) and "in the runner:" not in e]  # those are the plan changes
+        out.append("")
+    return out
+
+
+def markdown(summary: dict[str, Any], plots: dict[str, str]) -> str:
     # Over 60 lines: the report's text, in the order it is read.
     m, st = summary["machine"], summary["settings"]
-    recognised = all(r["accelerate"]["oom_recognised_by_accelerate"] in (True, None) for r in summary["pairs"])
+    sides = summary.get("emulations") or {summary.get("emulation") or "exact": summary}
+    recognised = all(r["accelerate"]["oom_recognised_by_accelerate"] in (True, None) for side in sides.values() for r in side["pairs"])
     whole = st["whole_job_set"]
     out = [
         "# Ladder benchmark" + ("" if whole else f": {', '.join(summary['sweeps'])}"),
@@ -963,15 +1281,16 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
         f"diffusers {m['diffusers']}, accelerate {m['accelerate']}; {m['workers']} worker processes of one thread each; "
         f"load average {m['load_average_at_start']:.1f} at the start and {m['load_average_at_end']:.1f} at the end. "
         f"Rungs with code: {', '.join(m['rungs_with_code'])}. Total {m['total_minutes']} min. "
-        "Device memory is emulated (`--emulate-device-memory`): the training is real, on the CPU; only the capacity is emulated.",
+        "Device memory is emulated (`--emulate-device-memory`): the training is real, on the CPU; only the capacity is emulated"
+        + (f", under {' and '.join(f'the {n} emulation' for n in sides)} (`--emulate-allocator`; see *Emulations* below)." if len(sides) > 1 or "exact" not in sides else "."),
         "",
         "## Summary",
         "",
         summary_table(summary),
         "",
     ]
-    if plot_name:
-        out += [f"![samples/s as a fraction of the oracle's, and OOMs, per (job, cap)]({plot_name})", ""]
+    for name, plot_name in plots.items():
+        out += [f"![samples/s as a fraction of the oracle's, and OOMs, per (job, cap), {name} emulation]({plot_name})", ""]
     out += [
         "## How it is measured",
         "",
@@ -1010,6 +1329,21 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
         "with `fits: false` over all attempts (an OOM in the probe, one recovered in the process and one that ends an "
         "attempt each record one). Fraction: race samples/s of the landed plan over the oracle's; 0 if the job did not "
         "finish. *wall s*: the whole `oomguard run`, probe, checkpoints and process starts included.",
+        "- **Emulations** (`--allocator`, default both): *exact* counts the live bytes of tensors against the cap. *caching/1024* "
+        "(`--emulate-allocator caching/1024`) runs the model of PyTorch's CUDA caching allocator (jobs/caching_allocator.py: "
+        "rounding, pools, segments, splitting, the release-and-retry, expandable segments), every size divided by 1024 "
+        "since these models are about a thousandth of a real one; the cap is the per-process limit on *reserved* memory "
+        "(set_per_process_memory_fraction on a card). One sweep, under the caching emulation, records each plan's exact "
+        "peak (the live bytes, counted as the exact emulation counts them) and its reserved peak; each emulation derives "
+        "its caps by the same rules from its own figure (exact peaks, reserved peaks), so both have the same (job, cap rule) "
+        "pairs, and its oracle fits by that figure. A plan's reserved peak is measured without a cap: under one, the "
+        "allocator frees its cache and retries before it refuses, so a plan may fit a little below it (the race checks). "
+        "oomguard runs with `--emulate-allocator caching/1024`; the race and accelerate run under the same emulation, "
+        "a plan with the allocator rung (`expandable`) with expandable segments. Pairs where fragmentation, not total "
+        "size, is the cause, and the allocator rung's effect: bench/allocator_pairs.py "
+        "([allocator_pairs.md](allocator_pairs.md)).",
+        "- **First choice fits**: the plan the planner chose from the probe's measurements trained to the end with no "
+        "further OOM (none recovered in the process, none ending an attempt); the probe's own OOMs are measurements.",
         "- **accelerate**: `find_executable_batch_size(starting_batch_size=job batch)` around a function that builds the "
         "model and trains at micro-batch == batch (no gradient accumulation) under the same emulated cap; the emulated OOM "
         "is a `torch.OutOfMemoryError` with CUDA's message, which accelerate's `should_reduce_batch_size` "
@@ -1017,14 +1351,7 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
         + ". Fraction: race samples/s at the batch it found over the oracle's; 0 if none ran. A smaller batch is another "
         "training (other gradient noise and learning-rate scale): *kept* says whether it kept the job's batch.",
         "",
-        "## Per (job, cap)",
-        "",
-        pair_table(summary),
-        "",
     ]
-    flagged = [r for r in summary["pairs"]
-               if (r["oomguard"].get("fraction_of_oracle") is not None and r["oomguard"]["fraction_of_oracle"] < TARGET_FRACTION)
-               or (r["oomguard"].get("ooms") or 0) > 1 or r["oomguard"].get("error")]
     o = summary["offload_speedup"]
     if o["count"]:
         out += ["## Optimizer offload on this machine", "",
@@ -1034,30 +1361,12 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
                 "torch's default AdamW under it; on a GPU, offload adds host-device copies every step and would be slower. "
                 "Where the oracle is an offload plan, part of oomguard's shortfall is this effect: the diagnostic row of the "
                 "summary compares against the fastest raced plan without offload (or oomguard's own plan, if faster).", ""]
-    out += [f"## Pairs where oomguard reached less than {TARGET_FRACTION} of the oracle or took more than one OOM", ""]
-    if not flagged:
-        out += ["None.", ""]
-    for r in flagged:
-        og = r["oomguard"]
-        out += [f"### Pair {r['pair']}: {r['job']} at {r['cap_mib']} MiB: oracle `{r['oracle_plan']}`, oomguard "
-                f"`{og.get('landed_plan')}` ({og.get('state')}), {og.get('ooms')} OOMs, fraction {_fmt(og.get('fraction_of_oracle'))}", ""]
-        if og.get("error"):
-            out += ["```", str(og["error"]), str(og.get("stderr", ""))[-1500:], "```", ""]
-            continue
-        raced = ", ".join(f"`{p}` {_fmt(v, '.1f')}" for p, v in r["raced_plans"].items())
-        plain = (f" Against the fastest raced plan without optimizer offload (`{r['oracle_without_offload']}`, "
-                 f"{_fmt(r['oracle_without_offload_samples_per_s'], '.1f')}): {_fmt(og.get('fraction_of_oracle_without_offload'))}."
-                 if r.get("oracle_without_offload") else "")
-        out += [f"Raced (samples/s): {raced}; oomguard's plan {_fmt(og.get('landed_samples_per_s'), '.1f')}.{plain}", "",
-                f"OOMs: {og['ooms_in_probe']} in the probe, {og['ooms_in_process']} recovered in the process, "
-                f"{og['ooms_ending_attempts']} ending an attempt.", ""]
-        out += [f"- OOM in attempt {d['attempt']} at step {d['step']}: `[{d['plan']}]` needed at least "
-                f"{d['needed_at_least_mib']} MiB of {d['capacity_mib']} MiB" for d in og.get("oom_details", [])]
-        out += [f"- oomguard measured: {m}" for m in og.get("measurements", [])]
-        out += [f"- plan change: {reason}" for reason in og.get("reasons", [])]
-        out += [f"- event: {e}".replace("\n", "\n  ") for e in og.get("events", [])
-                if not e.startswith(("queued", "started", "finished")) and "in the runner:" not in e]  # those are the plan changes
-        out.append("")
+    out += both_section(sides)
+    for name, side in sides.items():
+        suffix = f": {name} emulation" if len(sides) > 1 or name != "exact" else ""
+        out += [f"## Per (job, cap){suffix}", "", pair_table(side), ""]
+        out += flagged_section(side, suffix)
+    out += reserved_section(summary.get("reserved_check"))
     if summary.get("command_pairs"):
         out += [*command_pairs.markdown_section(summary["command_pairs"]), ""]
     if summary.get("contention_pairs"):
@@ -1066,6 +1375,8 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
         out += [*multi_gpu_pairs.markdown_section(summary["multi_gpu_pairs"]), ""]
     if summary.get("graded_pairs"):
         out += [*graded_pairs.markdown_section(summary["graded_pairs"]), ""]
+    if summary.get("allocator_pairs"):
+        out += [*allocator_pairs.markdown_section(summary["allocator_pairs"]), ""]
     out += frozen_savings.markdown_section(summary["frozen_savings"], summary["frozen_parts"])
     out += ["## Sweeps", ""]
     for name, s in summary["sweeps"].items():
@@ -1076,10 +1387,16 @@ def markdown(summary: dict[str, Any], plot_name: str | None) -> str:
             continue
         # The frozen parts' column only for jobs that have some (a text-to-image job's encoders).
         frozen = s["frozen_bytes"] is not None and s["frozen_bytes"] > 0
-        out += ["| plan | faithfulness | peak MiB | first step MiB | steady MiB |" + (" frozen MiB |" if frozen else "") + " ~samples/s |",
-                "|---|---|---|---|---|" + ("---|" if frozen else "") + "---|"]
+        # The caching emulation's figures where the sweep ran under it.
+        caching = any(p.get("reserved_peak_mib") is not None for p in s["plans"])
+        out += ["| plan | faithfulness | peak MiB | first step MiB | steady MiB |" + (" frozen MiB |" if frozen else "")
+                + (" allocated MiB (caching) | reserved MiB (caching) | reserved / peak |" if caching else "") + " ~samples/s |",
+                "|---|---|---|---|---|" + ("---|" if frozen else "") + ("---|---|---|" if caching else "") + "---|"]
         out += [f"| `{p['plan']}` | {p['faithfulness']} | {p['peak_mib']} | {p['first_step_peak_mib']} | {_fmt(p['steady_peak_mib'])} | "
-                + (f"{_fmt(p['frozen_mib'], '.3f')} | " if frozen else "") + f"{_fmt(p['samples_per_s'], '.1f')} |" for p in s["plans"]]
+                + (f"{_fmt(p['frozen_mib'], '.3f')} | " if frozen else "")
+                + (f"{_fmt(p.get('allocated_peak_mib'))} | {_fmt(p.get('reserved_peak_mib'))} | "
+                   f"{_fmt(p['reserved_peak_mib'] / p['peak_mib'] if p.get('reserved_peak_mib') and p['peak_mib'] else None, '.3f')} | " if caching else "")
+                + f"{_fmt(p['samples_per_s'], '.1f')} |" for p in s["plans"]]
         out.append("")
     return "\n".join(out)
 
@@ -1097,7 +1414,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     width = 0.38
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8.0, 0.7 * len(rows) + 2), 7), sharex=True, gridspec_kw={"height_ratios": [3, 1.3]})
     og = [r["oomguard"].get("fraction_of_oracle") or 0.0 for r in rows]
-    acc = [r["accelerate"]["fraction_of_oracle"] or 0.0 for r in rows]
+    acc = [r["accelerate"].get("fraction_of_oracle") or 0.0 for r in rows]
     top.bar([i - width / 2 for i in x], og, width, color="#2b7bba", label="oomguard (effective batch kept)")
     top.bar([i + width / 2 for i in x], acc, width, color=["#e08a2c" if r["accelerate"]["kept_batch"] else "#f5cfa3" for r in rows],
             label="accelerate find_executable_batch_size (pale: smaller batch)")
@@ -1112,10 +1429,11 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     top.set_ylim(0, max([1.1, *og, *acc]) + 0.05)
     top.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=7, ncols=2, frameon=False)
     s = summary["medians"]
-    fig.suptitle(f"Ladder benchmark: medians oomguard {_fmt(s['oomguard_fraction'])} of the oracle, {_fmt(s['oomguard_ooms'], 'g')} OOMs; "
+    emulation = f" ({summary['emulation']} emulation)" if summary.get("emulation") and summary["emulation"] != "exact" else ""
+    fig.suptitle(f"Ladder benchmark{emulation}: medians oomguard {_fmt(s['oomguard_fraction'])} of the oracle, {_fmt(s['oomguard_ooms'], 'g')} OOMs; "
                   f"accelerate {_fmt(s['accelerate_fraction'])}, {_fmt(s['accelerate_ooms'], 'g')} OOMs", fontsize=10)
     ooms_og = [r["oomguard"].get("ooms") or 0 for r in rows]
-    ooms_acc = [r["accelerate"]["ooms"] for r in rows]
+    ooms_acc = [r["accelerate"].get("ooms") or 0 for r in rows]
     bottom.bar([i - width / 2 for i in x], ooms_og, width, color="#2b7bba")
     bottom.bar([i + width / 2 for i in x], ooms_acc, width, color="#e08a2c")
     for i, (a, b) in enumerate(zip(ooms_og, ooms_acc)):
@@ -1142,6 +1460,23 @@ def update_readme(summary: dict[str, Any]) -> None:
         "",
         summary_table(summary),
     ]
+    if summary.get("reserved_check"):
+        c = summary["reserved_check"]
+        lines += [
+            "",
+            f"Under the caching allocator's emulation (`--emulate-allocator caching/1024`: caps from each plan's peak *reserved* memory, "
+            f"by the same rules), every swept plan's reserved peak is at least its exact peak in {c['plans'] - len(c['violations'])} of "
+            f"{c['plans']} plans (reserved / exact {_fmt(c['ratio_min'], '.2f')} to {_fmt(c['ratio_max'], '.2f')}, median {_fmt(c['ratio_median'], '.2f')}).",
+        ]
+    if summary.get("allocator_pairs"):
+        c = allocator_pairs.medians(summary["allocator_pairs"])
+        lines += [
+            "",
+            f"Fragmentation pairs (bench/allocator_pairs.py: scripts whose cache fragments, under caps their bytes fit): "
+            f"{c['landed_at_batch']} of {c['pairs']} kept their micro-batch with the allocator rung (median {_fmt(c['ooms'], 'g')} OOM to land); "
+            f"without it {c['without_kept_batch']} of {c['pairs']} kept it, {c['without_failed']} failed (their scripts offer no other rung), "
+            f"the rest halved the micro-batch. See bench/results/allocator_pairs.md.",
+        ]
     if summary.get("command_pairs"):
         c = command_pairs.medians(summary["command_pairs"])
         lines += [

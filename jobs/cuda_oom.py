@@ -22,8 +22,9 @@ class OOMInfo:
     total: int
     breakdown: dict[str, int]
     message: str
-    # The caching allocator's num_alloc_retries when it refused (None: the exact emulation).
-    alloc_retries: int | None = None
+    # The caching allocator's num_alloc_retries and num_ooms when it refused, as
+    # torch.cuda.memory_stats names them (None: the exact emulation).
+    alloc_stats: dict[str, int] | None = None
 
 
 def cuda_oom_message(

@@ -283,9 +283,11 @@ class EmulatedDevice:
         return self._caching.peak_reserved if self._caching is not None else self._peak
 
     @property
-    def alloc_retries(self) -> int | None:
-        """torch.cuda.memory_stats()["num_alloc_retries"] (None: the exact emulation)."""
-        return self._caching.num_alloc_retries if self._caching is not None else None
+    def alloc_stats(self) -> dict[str, int] | None:
+        """torch.cuda.memory_stats()'s retry and OOM counts (None: the exact emulation)."""
+        if self._caching is None:
+            return None
+        return {"num_alloc_retries": self._caching.num_alloc_retries, "num_ooms": self._caching.num_ooms}
 
     def empty_cache(self) -> None:
         """torch.cuda.empty_cache: cached blocks go back to the card."""
@@ -506,7 +508,7 @@ class EmulatedDevice:
         self._oom_count += 1
         self.last_oom = OOMInfo(
             requested=requested, allocated=allocated, reserved=reserved, free=free, total=total,
-            breakdown=self._breakdown(), message=message, alloc_retries=caching.num_alloc_retries,
+            breakdown=self._breakdown(), message=message, alloc_stats=self.alloc_stats,
         )
         raise torch.OutOfMemoryError(message)
 

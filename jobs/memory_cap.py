@@ -137,6 +137,15 @@ class DeviceMemory:
         return {"others_before": self.others_before, "others_at_oom": self.others_bytes()}
 
 
+def retries_that_fitted(stats: Mapping[str, int]) -> int | None:
+    """How often the caching allocator flushed its cache and then fitted the request, from
+    torch.cuda.memory_stats: ``num_alloc_retries`` counts every malloc that reached the flush,
+    the ones that then ran out of memory too (c10 counts the retry before it knows), so each
+    OOM is one of them (``num_ooms``)."""
+    retries = stats.get("num_alloc_retries")
+    return None if retries is None else max(retries - stats.get("num_ooms", 0), 0)
+
+
 class HostMemory(DeviceMemory):
     """Training on the host with no capacity set: nothing to measure, nothing to refuse."""
 
@@ -208,7 +217,7 @@ class CudaMemory(DeviceMemory):
             free=free,
             total=self.capacity(),
             # Counted since the process started: the runner is one attempt.
-            alloc_retries=torch.cuda.memory_stats(self.device).get("num_alloc_retries"),
+            alloc_retries=retries_that_fitted(torch.cuda.memory_stats(self.device)),
             **self._others(),
         )
 
@@ -320,6 +329,6 @@ class EmulatedMemory(DeviceMemory):
             # process's non-PyTorch memory, within the limit.
             total=self.capacity() if self.emulated.caching else info.total,
             breakdown=dict(info.breakdown),
-            alloc_retries=info.alloc_retries,
+            alloc_retries=retries_that_fitted(info.alloc_stats) if info.alloc_stats is not None else None,
             **self._others(),
         )

@@ -22,7 +22,7 @@ from oomguard.strategies.decision import Decision, GiveUp, NextPlan, PastAttempt
 from oomguard.strategies.doctor_disk import after_disk_full
 from oomguard.strategies.doctor_width import NARROW, at_width, rungs_taken, widened_candidates
 from oomguard.strategies.memory_model import Measurement, MemoryModel
-from oomguard.strategies.oom_judge import is_fragmentation
+from oomguard.strategies.oom_judge import fragmentation_evidence, is_fragmentation
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.rungs.base import Rung
@@ -310,10 +310,7 @@ def _after_oom(outcome: Outcome, plan: Plan, history: Sequence[PastAttempt], pol
                 continue
             new_plan = rung.step(plan)
             if new_plan is not None and new_plan not in failed:
-                diagnosis += (
-                    f"; {format_bytes(memory.reserved_unallocated)} reserved but unallocated"  # type: ignore[union-attr]
-                    " is at least the request: fragmentation"
-                )
+                diagnosis += f"; {fragmentation_evidence(memory)}: fragmentation"  # type: ignore[arg-type]
                 return NextPlan(plan=new_plan, rung=rung.name, reason=f"{diagnosis} -> {rung.describe(plan, new_plan)}")
     if outcome.phase == "setup":
         diagnosis += "; the model and its state do not fit before training starts"

@@ -23,7 +23,7 @@ from oomguard.strategies.oom_figures import (
 )
 from oomguard.strategies.oom_verdict import OomVerdict
 from oomguard.strategies.outcome import MemoryFigures
-from oomguard.strategies.units import GiB, describe_size
+from oomguard.strategies.units import GiB, describe_size, format_bytes
 
 _DEVICE_WORDS = {"cuda": "GPU", "hip": "GPU", "xpu": "GPU", "mps": "MPS device", "xla": "XLA device"}
 
@@ -31,11 +31,22 @@ _DEVICE_WORDS = {"cuda": "GPU", "hip": "GPU", "xpu": "GPU", "mps": "MPS device",
 def is_fragmentation(memory: MemoryFigures | None) -> bool:
     """The memory is there but in pieces, which expandable segments fix: reserved-but-
     unallocated memory at least as large as the failed request; or at least half of it while
-    the allocator had to flush its cache and retry during the attempt (a rising
-    num_alloc_retries means cached blocks kept failing to fit the requests)."""
+    the allocator had to flush its cache to fit earlier requests during the attempt (cached
+    blocks kept failing to fit them)."""
     if memory is None:
         return False
     return unallocated_fits_request(memory.requested, memory.reserved_unallocated, memory.alloc_retries)
+
+
+def fragmentation_evidence(memory: MemoryFigures) -> str:
+    """Which of ``is_fragmentation``'s rules held, in words."""
+    unallocated = format_bytes(memory.reserved_unallocated)
+    if (memory.reserved_unallocated or 0) >= (memory.requested or 0):
+        return f"{unallocated} reserved but unallocated is at least the request"
+    return (
+        f"{unallocated} reserved but unallocated is at least half the request, and the allocator flushed its cache "
+        f"{memory.alloc_retries} time(s) to fit earlier requests"
+    )
 
 
 def unallocated_fits_request(requested: int | None, unallocated: int | None, alloc_retries: int | None = None) -> bool:

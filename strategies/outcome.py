@@ -62,7 +62,8 @@ class MemoryFigures:
     # Bytes per consumer (parameters, gradients, optimizer_state, activations) when known.
     breakdown: dict[str, int] = field(default_factory=dict)
     # How many times the CUDA caching allocator freed its cache and retried during the
-    # attempt (torch.cuda.memory_stats()["num_alloc_retries"]), when known.
+    # attempt and then fitted the request (num_alloc_retries less num_ooms: c10 counts an OOM's
+    # own flush as a retry), when known.
     alloc_retries: int | None = None
     # What the other processes on the same GPU held when this attempt began training and at
     # the OOM (NVML, or the emulated GPU's files), when known: the evidence for contention.

@@ -31,6 +31,7 @@ UNCONDITIONAL = frozenset({"full_model"})
 RUNG_NAMES, EXACT_RUNG_NAMES = usable_by(UNCONDITIONAL), usable_by(UNCONDITIONAL, exact_names())
 
 MiB = 2**20
+KiB = 1024
 START = Plan.initial(16)
 
 
@@ -139,6 +140,24 @@ def test_fragmentation_takes_the_allocator_rung_first():
     assert "fragmentation" in decision.reason
     assert "200.0 MiB reserved but unallocated" in decision.reason
     assert "expandable segments" in decision.reason
+
+
+def test_fragmentation_by_the_retries_says_so_and_an_ooms_own_flush_is_no_evidence():
+    """Half the request unallocated counts when the allocator flushed its cache to fit earlier
+    requests. c10 counts the flush of a malloc that then ran out as a retry too, so every OOM
+    is one: only retries beyond the OOMs (num_alloc_retries - num_ooms) are evidence."""
+    from oomguard.jobs.memory_cap import retries_that_fitted
+
+    assert retries_that_fitted({"num_alloc_retries": 1, "num_ooms": 1}) == 0
+    assert retries_that_fitted({"num_alloc_retries": 5, "num_ooms": 2}) == 3
+    assert retries_that_fitted({}) is None
+    half = MemoryFigures(requested=192 * KiB, allocated=900 * MiB, reserved=900 * MiB + 150 * KiB, free=0, total=1024 * MiB)
+    assert not is_fragmentation(dataclasses.replace(half, alloc_retries=0))
+    outcome = Outcome(kind="oom", step=5, phase="forward", memory=dataclasses.replace(half, alloc_retries=3), message="CUDA out of memory.")
+    decision = decide(outcome, START, [PastAttempt(START, outcome)], Policy())
+    assert isinstance(decision, NextPlan) and decision.rung == "allocator"
+    assert "150.0 KiB reserved but unallocated is at least half the request, and the allocator flushed its cache 3 time(s)" in decision.reason
+    assert "at least the request" not in decision.reason
 
 
 @pytest.mark.parametrize(
