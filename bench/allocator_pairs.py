@@ -58,54 +58,9 @@ JOBS_ALLOCATOR = "caching/1024"
 EXPANDABLE = "expandable_segments:True"
 # A cap far above what any of the scripts' runs needs: their peaks.
 BIG_CAP = 4096 * MiB
-# The same pattern with gradient accumulation (--gradient_accumulation_steps: that many
-# micro-batches' activations, one after another, per optimizer step), which the micro-batch
-# rung needs ({grad_accum}); without it the command job's ladder is the allocator rung alone.
-# Written into the scratch folder: tests/scripts/ is the tests'.
-ACCUMULATING_SCRIPT = '''"""tests/scripts/fragmenting_train.py with gradient accumulation (bench/allocator_pairs.py
-writes it): each optimizer step runs --gradient_accumulation_steps micro-batches, each holding
-ten activations of 1.5 MiB per sample until its backward; ten 7 MiB buffers kept from the
-first optimizer step on split the cached activation blocks."""
-
-import argparse
-
-import torch
-
-MiB = 2**20
-ACTIVATIONS = 10
-BUFFERS = 10
-
-
-def floats(nbytes):
-    return nbytes // 4
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--train_batch_size", type=int, required=True)
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    parser.add_argument("--max_train_steps", type=int, required=True)
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(16, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    buffers = []
-    for step in range(1, args.max_train_steps + 1):
-        for _ in range(args.gradient_accumulation_steps):
-            activations = [torch.empty(floats(args.train_batch_size * 3 * MiB // 2)) for _ in range(ACTIVATIONS)]
-            loss = model(torch.randn(args.train_batch_size, 16)).pow(2).mean() / args.gradient_accumulation_steps
-            loss.backward()
-            del activations
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if not buffers:
-            buffers = [torch.zeros(floats(7 * MiB)) for _ in range(BUFFERS)]
-        print(f"Steps: {step}/{args.max_train_steps} loss={loss.item():.4f}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
-'''
+# "accumulating": the same script with --gradient_accumulation_steps={grad_accum} (that many
+# micro-batches' activations, one after another, per optimizer step), which the micro-batch rung
+# needs; without it the command job's ladder is the allocator rung alone.
 # (script, batch, cap in MiB, why). "plain": tests/scripts/fragmenting_train.py; "accumulating":
 # the same with gradient accumulation. The activations are 1.5 MiB per sample, ten of them; the
 # buffers ten of 7 MiB. At batch 8: 190 MiB live at most, 242 MiB reserved once fragmented,
@@ -129,13 +84,9 @@ def log(text: str) -> None:
 
 def job_text(script: str, batch: int, scratch: Path, allow: tuple[str, ...] | None = None) -> str:
     """The command job of ``script`` ("plain" or "accumulating") at ``batch``."""
-    if script == "plain":
-        argv = [sys.executable, str(SCRIPT), "--train_batch_size={micro_batch}", f"--max_train_steps={STEPS}"]
-    else:
-        path = scratch / "fragmenting_accumulating_train.py"
-        path.write_text(ACCUMULATING_SCRIPT)
-        argv = [sys.executable, str(path), "--train_batch_size={micro_batch}", "--gradient_accumulation_steps={grad_accum}",
-                f"--max_train_steps={STEPS}"]
+    argv = [sys.executable, str(SCRIPT), "--train_batch_size={micro_batch}", f"--max_train_steps={STEPS}"]
+    if script == "accumulating":
+        argv.insert(3, "--gradient_accumulation_steps={grad_accum}")
     text = (f'name = "fragmenting-{script}-{batch}"\ntrainer = "command"\n[command]\nargv = {json.dumps(argv)}\n'
             f"[train]\nbatch_size = {batch}\nmax_steps = {STEPS}\n")
     if allow is not None:
@@ -277,7 +228,6 @@ def measure(scratch: Path, quick: bool = False) -> dict[str, Any]:
         "command": ".venv/bin/python bench/allocator_pairs.py" + (" --quick" if quick else "   # or make bench, inside bench/ladder.py"),
         "quick": quick,
         "script": str(SCRIPT.relative_to(ROOT)),
-        "accumulating_script": ACCUMULATING_SCRIPT,
         "script_allocator": SCRIPT_ALLOCATOR,
         "jobs_allocator": JOBS_ALLOCATOR,
         "minutes": round((time.monotonic() - started) / 60, 1),
@@ -330,7 +280,7 @@ def markdown_section(result: dict[str, Any]) -> list[str]:
         f"--emulate-allocator ... --json`), {STEPS} steps: its activations (1.5 MiB per sample, ten) are freed each step and "
         "from the second step ten 7 MiB buffers kept for good split the cached activation blocks, so the next activations "
         "find only pieces. Its argv has no `{grad_accum}`, so its default ladder is the allocator rung alone. *accumulating*: "
-        "the same pattern with `--gradient_accumulation_steps={grad_accum}` (written by bench/allocator_pairs.py; the "
+        "the same script with `--gradient_accumulation_steps={grad_accum}` in its argv (the "
         "micro-batch rung allowed too). Under the exact emulation its bytes fit every cap below; under the caching allocator's "
         f"(`{result['script_allocator']}`) the fragmented cache needs more than the cap reserved. Each pair runs three ways: "
         "exact; caching with the job's default ladder; caching with `[ladder] allow` lacking `allocator`. Peaks: the same job "
