@@ -1,5 +1,8 @@
 """A pure-Python model of PyTorch's CUDA caching allocator, on byte counts only (no torch).
 
+One idea, one file (just past 400 lines): segments, free-block index and expandable pages are
+one data structure that every operation rewrites; split, its parts would share private state.
+
 The emulated device feeds it one ``malloc(nbytes)`` per storage allocation and one
 ``free(handle)`` per storage death; it answers what PyTorch would have *reserved* and refuses
 (``AllocatorOutOfMemory``) where PyTorch would raise, so fragmentation counts as on a card.

@@ -159,9 +159,7 @@ def run_probe(
             # attempt, in a new process, from what was measured so far.
             say(f"probe: the failed step left {format_mib(leftover)} behind on the device; stopping here")
             return ProbeResult(start, tuple(measurements), "probe: stopped after an OOM that left memory behind", failure=oom)
-        reserved = f" ({format_mib(measured.reserved_bytes)} reserved)" if measured.reserved_bytes is not None else ""
-        verdict = f"peak {format_mib(measured.peak_bytes)}{reserved}" if measured.fits else "out of memory"
-        say(f"probe: [{next_plan.short()}] {verdict} (capacity {format_mib(capacity)})")
+        say(f"probe: [{next_plan.short()}] {_verdict(measured)} (capacity {format_mib(capacity)})")
         model = MemoryModel(measurements)
         if calibrations is None:
             calibrations = calibration_plans(measured.plan, policy.allow, model, origin, capacity)
@@ -184,6 +182,14 @@ def run_probe(
         else:
             next_plan = None
     return _out_of_measurements(start, origin, candidates, measurements, capacity, last_oom)
+
+
+def _verdict(measured: Measurement) -> str:
+    """A measured plan in the probe's words: its peak (and reserve), or that it ran out."""
+    if not measured.fits:
+        return "out of memory"
+    reserved = f" ({format_mib(measured.reserved_bytes)} reserved)" if measured.reserved_bytes is not None else ""
+    return f"peak {format_mib(measured.peak_bytes)}{reserved}"
 
 
 def _measure_after(

@@ -1,5 +1,8 @@
 """The memory model: from measured peaks, the peak a plan would reach and how fast it would run.
 
+(Past 400 lines: peaks and speeds are fitted the same way from the same measurements and
+shapes; the speed half shares the shape lookup and the cached lines.)
+
 For one *shape* (every knob but the micro-batch) the peak of a training step is close to a
 straight line in the micro-batch:
 
