@@ -31,7 +31,6 @@ import json
 import os
 import queue
 import shutil
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +40,7 @@ from watchdog.observers import Observer
 
 from oomguard.daemon.inbox import BASE_DIR_HEADER, SUBMIT_DIR_HEADER, job_key_problem, parse_spooled
 from oomguard.daemon.users import Account, file_owner, is_admin, read_owned_file
+from oomguard.daemon.wakeup import Wakeup
 from oomguard.jobs.spec import MAX_JOB_FILE_BYTES, JobSpec
 from oomguard.strategies.errors import JobFileError, PermissionRefused
 
@@ -106,7 +106,7 @@ class Rejection:
 
 
 class _Handler(FileSystemEventHandler):
-    def __init__(self, ready: queue.Queue[Path], inbox: Path, arrived: threading.Event | None) -> None:
+    def __init__(self, ready: queue.Queue[Path], inbox: Path, arrived: Wakeup | None) -> None:
         self.ready = ready
         self.inbox = inbox
         self.arrived = arrived
@@ -132,7 +132,7 @@ class Spool:
     """Watches the inbox (watchdog, acting on close and on move, never on create)."""
 
     def __init__(
-        self, inbox: Path, accepted: Path, rejected: Path, rescan_seconds: float = 10.0, arrived: threading.Event | None = None,
+        self, inbox: Path, accepted: Path, rejected: Path, rescan_seconds: float = 10.0, arrived: Wakeup | None = None,
     ) -> None:
         """``arrived``: set whenever a file is offered, so that a daemon waiting on it takes the
         file at once rather than at its next tick."""

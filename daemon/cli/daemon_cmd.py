@@ -7,16 +7,16 @@ import argparse
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from oomguard.daemon.cli.foreground import DaemonLock, stop_on_signals
+from oomguard.daemon.cli.foreground import DaemonLock, StopSignals
 from oomguard.daemon.cli.output import EXIT_OK, CliError, print_event
 from oomguard.daemon.cli.state import device_from_option, create_state_dir, current_user
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store
 from oomguard.daemon.text import escape
+from oomguard.daemon.wakeup import Wakeup
 from oomguard.strategies.errors import InsecureStateDir, NoGpus
 
 if TYPE_CHECKING:  # for the annotations only: the daemon's modules are imported when it starts
@@ -72,14 +72,14 @@ def _daemon(args: argparse.Namespace) -> int:
     notifier = Notifier(config_paths, throttle_seconds=args.notify_throttle)
     # What wakes the loop before its poll interval is up: a file in the inbox, an attempt's
     # shim (our child) ending.
-    wake = threading.Event()
+    wake = Wakeup()
     spool = Spool(state.inbox, state.accepted, state.rejected, arrived=wake)
     supervisor = Supervisor(
         state, store, max_parallel=max_parallel, device=device_from_option(args.emulate_device_memory, args.emulate_allocator), on_event=print_event,
         spool=spool, gpus=monitor, notifier=notifier, admin_group=args.admin_group, stall_seconds=args.stall_after,
         max_user_priority=max_user_priority, launcher=launcher, forget_after_seconds=_forget_after(args.forget_after),
     )
-    stop_on_signals(supervisor, stop_jobs=args.stop_jobs, wake=wake)
+    signals = StopSignals(supervisor, stop_jobs=args.stop_jobs, wake=wake)
     signal.signal(signal.SIGCHLD, lambda signum, frame: wake.set())
     spool.start()
     systemd = SystemdNotifier()
@@ -92,7 +92,7 @@ def _daemon(args: argparse.Namespace) -> int:
             print(f"attempts go to Slurm ({_where(config.slurm)}), at most {max_parallel} at once", flush=True)
         print(f"oomguard daemon {os.getpid()} watching {state.inbox} ({mode})", flush=True)
         systemd.ready(f"watching {state.inbox}")
-        _supervise(supervisor, spool, systemd, stopping, args.poll_interval, wake)
+        _supervise(supervisor, spool, systemd, stopping, args.poll_interval, wake, signals)
     finally:
         stopping.send()
         spool.stop()
@@ -236,13 +236,17 @@ class _StoppingNotice:
 
 
 def _supervise(
-    supervisor: Supervisor, spool: Spool, systemd: SystemdNotifier, stopping: _StoppingNotice, poll_interval: float, wake: threading.Event,
+    supervisor: Supervisor, spool: Spool, systemd: SystemdNotifier, stopping: _StoppingNotice, poll_interval: float, wake: Wakeup,
+    signals: StopSignals,
 ) -> None:
     """The daemon's loop, until the supervisor has stopped: a tick, then a wait of at most
     ``poll_interval`` that a file in the inbox, a shim's exit or a signal ends at once (and none
     while the inbox holds more files than a tick takes)."""
-    while not supervisor.stopped():
+    while True:
         wake.clear()
+        signals.act()
+        if supervisor.stopped():
+            break
         supervisor.tick()
         systemd.tick()
         if supervisor.stopping:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
-import threading
 from pathlib import Path
 from typing import Any
 
 from oomguard.daemon.cli.output import EXIT_LOCKED, CliError
+from oomguard.daemon.wakeup import Wakeup
 
 
 class DaemonLock:
@@ -30,21 +30,37 @@ class DaemonLock:
         self.file.flush()
 
 
-def stop_on_signals(supervisor: Any, *, stop_jobs: bool = True, wake: threading.Event | None = None) -> None:
+class StopSignals:
     """SIGTERM/SIGINT: checkpoint and stop running attempts (``stop_jobs``), or leave them
-    running for the next daemon to adopt; ``wake`` is set so that a waiting loop acts at once."""
+    running for the next daemon to adopt.
 
-    def handler(signum: int, frame: object) -> None:
-        name = signal.Signals(signum).name
-        if stop_jobs:
-            if not supervisor.stopping:
-                print(f"received {name}: checkpointing and stopping running attempts", flush=True)
-            supervisor.stop_all()
-        else:
-            print(f"received {name}: leaving running attempts running; the next daemon adopts them", flush=True)
-            supervisor.leave_all()
-        if wake is not None:
-            wake.set()
+    The handler only notes the signal and wakes the loop; the loop acts on it (``act``). A
+    handler runs between two bytecodes of whatever the main thread was doing, inside the
+    supervisor's tick with the store mid-transaction as likely as anywhere, so it must not
+    call into the supervisor itself."""
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    def __init__(self, supervisor: Any, *, stop_jobs: bool = True, wake: Wakeup | None = None) -> None:
+        self.supervisor, self.stop_jobs, self.wake = supervisor, stop_jobs, wake
+        self.received: list[str] = []  # appended by the handler, in the order they came
+        self.acted_on = 0
+        signal.signal(signal.SIGTERM, self._note)
+        signal.signal(signal.SIGINT, self._note)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.received.append(signal.Signals(signum).name)
+        if self.wake is not None:
+            self.wake.set()
+
+    def act(self) -> None:
+        """What the signals received since the last call ask for. A second SIGTERM asks the
+        attempts started meanwhile to stop too."""
+        while self.acted_on < len(self.received):
+            name = self.received[self.acted_on]
+            self.acted_on += 1
+            if self.stop_jobs:
+                if not self.supervisor.stopping:
+                    print(f"received {name}: checkpointing and stopping running attempts", flush=True)
+                self.supervisor.stop_all()
+            else:
+                print(f"received {name}: leaving running attempts running; the next daemon adopts them", flush=True)
+                self.supervisor.leave_all()

@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import threading
 import time
 
 from oomguard.daemon.cli.output import EXIT_FAILED, EXIT_OK, CliError, print_table
 from oomguard.daemon.cli.state import open_store
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.text import escape
+from oomguard.daemon.wakeup import Wakeup
 
 
 def cmd_gpus(args: argparse.Namespace) -> int:
@@ -60,7 +60,7 @@ def cmd_neighbour(args: argparse.Namespace) -> int:
         raise CliError(str(error)) from None
     except ValueError as error:
         raise CliError(f"{error}; `oomguard gpus` lists the GPUs") from None
-    stop = threading.Event()
+    stop = Wakeup()  # set from the handlers: never a threading.Event there (daemon/wakeup.py)
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
     pid = os.getpid()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from oomguard.daemon.cli.foreground import DaemonLock, stop_on_signals
+from oomguard.daemon.cli.foreground import DaemonLock, StopSignals
 from oomguard.daemon.cli.output import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CliError, print_event
 from oomguard.daemon.cli.state import device_from_option, job_record, latest_heartbeat, open_store
 from oomguard.daemon.store import TERMINAL_STATES
@@ -57,9 +57,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"continuing job {job_id} ({spec.name}) in {workdir}", flush=True)
     else:
         job_id = supervisor.add_job(spec, Account.current(), workdir=str(workdir))
-    stop_on_signals(supervisor)
+    signals = StopSignals(supervisor)
     last_progress, last_step = 0.0, None
     while True:
+        signals.act()
         supervisor.tick()
         if supervisor.job_done(job_id) or (supervisor.stopping and not supervisor.active()):
             break

@@ -133,12 +133,21 @@ def test_three_jobs_two_users_two_gpus_oom_neighbour_and_a_killed_daemon(lab: Pa
         for path in [workdir / "final", *workdir.glob("attempts/*/output.log"), *workdir.glob("checkpoints/*")]:
             assert path.stat().st_uid == owner.uid, path
         # No attempt ran twice: one runner start per attempt, and the adopted ones were not restarted.
+        never_started = 0
         for attempt in record["attempts"]:
-            log = Path(attempt["directory"], "output.log").read_text()
+            log_path = Path(attempt["directory"], "output.log")
+            if not log_path.exists():
+                # The kill fell between recording this attempt and starting its shim (CI saw it):
+                # the next daemon found no process and recorded it as never started.
+                assert attempt["outcome"]["kind"] == "interrupted" and "never started" in attempt["outcome"]["message"], attempt
+                never_started += 1
+                continue
+            log = log_path.read_text()
             assert log.count(f"attempt {attempt['number']} of job") == 1, log
             assert attempt["outcome"] is not None
         started = [e for e in record["events"] if e["kind"] == "started"]
-        assert len(started) == len(record["attempts"])
+        assert len(started) == len(record["attempts"]) - never_started
+        assert never_started <= 1
         final_steps = [a["outcome"]["step"] for a in record["attempts"] if a["outcome"]["kind"] == "finished"]
         assert final_steps == [record["spec"]["train"]["max_steps"]]
     for job in running:
