@@ -105,7 +105,12 @@ def test_one_ranks_oom_brings_every_rank_to_the_same_new_plan_in_process(tmp_pat
     write_attempt(attempt, job, tmp_path / "work", plan=plan_for(2, micro_batch=4))
     started = time.monotonic()
     with running_runner(attempt, {EMULATED_GPUS_ENV: str(folder.root), "CUDA_VISIBLE_DEVICES": "0,1"}) as process:
+        # From the moment step 0 begins (rank 0's line just before it) to the first step done on
+        # the new plan (the ranks average their gradients in it, so both run that plan): the
+        # OOM, the agreement and the change fall in between.
+        seen = lines_seen(attempt / "output.log", ("no checkpoint: starting at step 0", "step 1/6"), process, timeout=300)
         assert process.wait(timeout=300) == 0, (attempt / "output.log").read_text()
+    assert seen["step 1/6"] - seen["no checkpoint: starting at step 0"] < 10, seen
     outcome = json.loads((attempt / "outcome.json").read_text())
     assert outcome["kind"] == "finished", outcome
     # One change, at step 0, and no step back up: the smallest rank's room is what fits.
@@ -137,3 +142,16 @@ def test_a_sharded_ranks_oom_ends_it_and_the_others_are_stopped_within_seconds(t
     assert "GPU 1 has a total capacity of 585.94 KiB" in outcome["message"]  # rank 1's own figures
     ended_alone = rank_outcome_path(attempt, 1).stat().st_mtime
     assert (attempt / "outcome.json").stat().st_mtime - ended_alone < TEARDOWN_SECONDS + 5
+
+
+def lines_seen(log: Path, texts: tuple[str, ...], process, timeout: float) -> dict[str, float]:
+    """When (time.monotonic(), polled every 20 ms) each text first appeared in a live log."""
+    seen: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(seen) < len(texts) and time.monotonic() < deadline and process.poll() is None:
+        content = log.read_text()
+        now = time.monotonic()
+        seen.update({text: now for text in texts if text in content and text not in seen})
+        time.sleep(0.02)
+    assert len(seen) == len(texts), (seen, log.read_text())
+    return seen
