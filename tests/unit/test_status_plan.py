@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from oomguard.daemon.cli.status import PLAN_WIDTH, plan_shown
+from oomguard.daemon.queue_rows import PLAN_WIDTH, plan_shown
 from oomguard.strategies.plan import Plan
 from tests.fakes import job_row
 
