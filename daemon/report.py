@@ -158,6 +158,8 @@ def _read_metrics(path: Path) -> tuple[list[StepPoint], int]:
                 peak_bytes=_int_or_none(record.get("peak_bytes")),
                 capacity_bytes=_int_or_none(record.get("capacity_bytes")),
                 samples_per_s=_float_or_none(record.get("samples_per_s")),
+                reserved_bytes=_int_or_none(record.get("reserved_bytes")),
+                loss=_float_or_none(record.get("loss")),
             )
         except (ValueError, TypeError, KeyError, AttributeError):
             skipped += 1

@@ -21,6 +21,13 @@ class StepPoint:
     peak_bytes: int | None = None
     capacity_bytes: int | None = None
     samples_per_s: float | None = None
+    reserved_bytes: int | None = None  # a caching allocator's peak (None: what was allocated is what it held)
+    loss: float | None = None
+
+    @property
+    def held_bytes(self) -> int | None:
+        """What the step held of the device: reserved where an allocator keeps more."""
+        return self.reserved_bytes if self.reserved_bytes is not None else self.peak_bytes
 
 
 @dataclass(frozen=True)

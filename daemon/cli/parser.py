@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_diagnose(commands)
     _add_run(commands)
     _add_gc(commands)
+    _add_serve(commands)
     return parser
 
 
@@ -177,3 +178,17 @@ def _add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     _add_emulate_device_memory(run)
     run.add_argument("--json", action="store_true", help="print only the final job record as JSON")
     run.set_defaults(handler=_handler("run", "cmd_run"))
+
+
+def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """`serve` (the web dashboard) and `web-url` (a user's own link to it)."""
+    serve = commands.add_parser("serve", help="a read-only web dashboard of the queue, the GPUs and each job (on localhost)")
+    serve.add_argument("--listen", default="127.0.0.1:8470", metavar="HOST:PORT", help="a loopback address to listen on (default 127.0.0.1:8470)")
+    serve.add_argument("--socket", metavar="PATH", help="its Unix socket, where users are known by the kernel (default STATE/web.sock)")
+    serve.add_argument("--admin-group", metavar="GROUP", help="members see every job's details, as root does (as the daemon's --admin-group)")
+    serve.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="the server's log (default warning)")
+    serve.set_defaults(handler=_handler("serve", "cmd_serve"))
+
+    web_url = commands.add_parser("web-url", help="your own link to the dashboard (asked over its Unix socket)")
+    web_url.add_argument("--socket", metavar="PATH", help="the dashboard's Unix socket (default STATE/web.sock)")
+    web_url.set_defaults(handler=_handler("serve", "cmd_web_url"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import oomguard, tiny_job
+from tests.e2e.conftest import oomguard, tiny_job, wait_for
 
 QUICKSTART = Path(__file__).parents[2] / "jobs" / "examples" / "quickstart.toml"
 
@@ -184,6 +184,7 @@ EVERY_COMMAND = [
     ["report", "1", "-o", "{workdir}.png"], ["neighbour", "--take", "1MiB", "--seconds", "0.1"], ["cancel", "1", "--wait", "1"],
     ["diagnose", "{log}"], ["diagnose", "{log}", "--json"], ["submit", "{job}", "--wait", "0"], ["daemon"],
     ["run", "{job}", "--workdir", "{workdir}"], ["status", "--page", "1"], ["gc", "--older-than", "0"], ["--help"],
+    ["serve", "--listen", "127.0.0.1:0"], ["web-url"],
 ]
 
 
@@ -207,15 +208,22 @@ def test_every_command_exits_quietly_when_its_reader_has_gone(tmp_path: Path, co
     store.close()
     log = tmp_path / "attempt" / "output.log"
     command = [part.format(job=tiny_job(tmp_path, "other"), workdir=tmp_path / "run", log=log) for part in command]
+    # `web-url` asks a dashboard for the link it prints: one serves the state directory meanwhile.
+    server = subprocess.Popen([sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(state), "serve", "--listen", "127.0.0.1:0"]) if command == ["web-url"] else None
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader went away before a byte was written
     try:
+        if server is not None:
+            wait_for(lambda: (state / "web.sock").exists(), 30, "the dashboard's socket")
         done = subprocess.run(
             [sys.executable, "-m", "oomguard.daemon.cli", "--state-dir", str(state), *command], stdout=write_end, stderr=subprocess.PIPE,
             timeout=60,
         )
     finally:
         os.close(write_end)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
     # argparse itself swallows the error of --help's write when stdout is unbuffered
     # (PYTHONUNBUFFERED): its text is lost either way, and nothing is printed about it.
     assert done.stderr.decode() == "" and done.returncode == (141 if command != ["--help"] or not os.environ.get("PYTHONUNBUFFERED") else 0)
