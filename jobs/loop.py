@@ -38,6 +38,7 @@ from oomguard.jobs.rank_group import PeerOutOfMemory, RankGroup
 from oomguard.jobs.sampling import Sampler
 from oomguard.jobs.step_report import Progress, report_step
 from oomguard.jobs.step_ups import StepUps
+from oomguard.jobs.tracking import TrainingMetrics
 from oomguard.jobs.trainers import make_trainer
 from oomguard.jobs.trainers.base import Trainer
 from oomguard.jobs.training import StepResult, Training, build_training, one_step
@@ -80,6 +81,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
         with run.memory:
             outcome = run.start()
             if outcome is None:
+                run.trackers.attempt_started(run.progress.step, run.current_plan(), run.progress.resumed_from is not None, run.recoveries)
                 outcome = run.run_steps(metrics)
             if outcome is None:
                 outcome = run.finish()
@@ -109,6 +111,7 @@ def train(config: AttemptConfig, attempt_dir: Path, control: Control, after_step
     finally:
         run.memory.withdraw()
         metrics.close()
+        run.trackers.close()
         run.ranks.close()
 
 
@@ -149,6 +152,8 @@ class AttemptRun:
         self.replanned_to: Plan | None = None
         # Aspect-ratio buckets (a step's size differs by bucket): what this process learnt of them.
         self.buckets = BucketLimits()
+        # The job's experiment trackers (train.log_with), written by rank 0.
+        self.trackers = TrainingMetrics.for_attempt(self.job.train.log_with, config.workdir, self.job.name, config.number, self.ranks.main, self.say)
 
     def say(self, text: str) -> None:
         if self.ranks.main:  # the ranks agree: one of them speaks for all
@@ -163,6 +168,7 @@ class AttemptRun:
 
     def ended(self, outcome: Outcome) -> Outcome:
         """``outcome`` with what this attempt learnt: its plan, measurements and recoveries."""
+        self.trackers.attempt_ended(outcome, self.recoveries)
         return dataclasses.replace(
             outcome,
             resumed_from=self.progress.resumed_from,
@@ -431,8 +437,8 @@ class AttemptRun:
         self.memory.publish()
         if self.ranks.main:
             report_step(
-                self.attempt_dir, metrics, self.progress, self.job.train.max_steps, result.loss, samples_per_s, self.memory, training.plan.short(),
-                self.recoveries,
+                self.attempt_dir, metrics, self.progress, self.job.train.max_steps, result.loss, training.lr_scheduler.get_last_lr()[0], samples_per_s,
+                self.memory, training.plan.short(), self.recoveries, self.trackers,
             )
         if self.sampler is not None and self.sampler.due(self.progress.step):
             self.control.phase = "sampling"

@@ -1,6 +1,7 @@
 """What the built-in runner writes after each optimizer step (jobs/loop.py): a line of
-metrics.jsonl, and at most once a second the heartbeat the daemon reads while the attempt runs
-(with the rungs the runner took so far, and where its checkpoints stand)."""
+metrics.jsonl, the same figures for the job's experiment trackers (jobs/tracking.py), and at
+most once a second the heartbeat the daemon reads while the attempt runs (with the rungs the
+runner took so far, and where its checkpoints stand)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from oomguard.jobs.attempt import HEARTBEAT, write_json_atomic
 from oomguard.jobs.memory_cap import DeviceMemory
+from oomguard.jobs.tracking import TrainingMetrics
 
 
 @dataclass
@@ -30,15 +32,19 @@ def report_step(
     progress: Progress,
     max_steps: int,
     loss: float,
+    learning_rate: float,
     samples_per_s: float,
     memory: DeviceMemory,
     plan: str,
     recoveries: list[dict[str, Any]],
+    trackers: TrainingMetrics,
 ) -> None:
     record = {
         "step": progress.step,
         "max_steps": max_steps,
         "loss": loss,
+        # The rate the next step trains at (diffusers' scripts log the scheduler's last one).
+        "learning_rate": learning_rate,
         "samples_per_s": samples_per_s,
         "peak_bytes": memory.peak_bytes(),
         # What the caching allocator held at most (None where it is what was allocated).
@@ -49,6 +55,7 @@ def report_step(
     }
     metrics.write(json.dumps(record) + "\n")
     metrics.flush()
+    trackers.step(record, recoveries)
     now = time.monotonic()
     # The heartbeat is a small file rewritten at most once a second (and on the last step).
     # It carries the rungs the runner took so far, which the daemon reports while it runs.

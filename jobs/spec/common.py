@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from oomguard.jobs.spec.keys import DEFAULT_NOTIFY_EVENTS, NOTIFY_EVENTS, TEXT_TO_IMAGE_TRAINER
+from oomguard.jobs.spec.trackers import DEFAULT_LOG_WITH, parse_log_with
 from oomguard.jobs.spec.reader import ReadContext, Section, describe_value, is_int, render_value, strip_none
 from oomguard.strategies import rungs
 from oomguard.strategies.plan import MixedPrecision
@@ -78,6 +79,9 @@ class TrainSpec:
     sample_every_steps: int | None = None
     sample_prompts: tuple[str, ...] = ()
     sample_inference_steps: int = DEFAULT_SAMPLE_INFERENCE_STEPS
+    # The experiment trackers a built-in job's metrics go to (jobs/spec/trackers.py; empty:
+    # none beyond metrics.jsonl).
+    log_with: tuple[str, ...] = DEFAULT_LOG_WITH
 
     def __post_init__(self) -> None:
         if self.checkpoint_every_steps is None:
@@ -88,6 +92,7 @@ class TrainSpec:
         object.__setattr__(self, "noise_offset", float(self.noise_offset))
         object.__setattr__(self, "ema_decay", float(self.ema_decay))
         object.__setattr__(self, "sample_prompts", tuple(self.sample_prompts))
+        object.__setattr__(self, "log_with", tuple(self.log_with))
         if self.checkpoint_every_seconds is not None:
             object.__setattr__(self, "checkpoint_every_seconds", float(self.checkpoint_every_seconds))
 
@@ -95,6 +100,7 @@ class TrainSpec:
         data = dataclasses.asdict(self)
         if not self.ema:
             del data["ema_decay"]  # a job file may name it only with ema = true
+        data["log_with"] = list(self.log_with)  # as a job file writes it (a list, not a tuple)
         return data
 
     @classmethod
@@ -230,6 +236,7 @@ def parse_train(s: Section) -> TrainSpec:
     snr_gamma = s.number("snr_gamma", gt=0.0, default=None)
     ema, ema_decay = _ema(s)
     sample_every_steps, sample_prompts, sample_inference_steps = _samples(s)
+    log_with = parse_log_with(s)
     if micro_batch is not None and micro_batch > batch_size:
         raise s.fail(
             "micro_batch", f"expected an integer in 1..{batch_size} (at most train.batch_size), found {micro_batch}"
@@ -256,6 +263,7 @@ def parse_train(s: Section) -> TrainSpec:
         sample_every_steps=sample_every_steps,
         sample_prompts=sample_prompts,
         sample_inference_steps=sample_inference_steps,
+        log_with=log_with,
     )
 
 

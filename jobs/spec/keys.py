@@ -62,6 +62,7 @@ _TRAIN_KEYS = (
     "lr_scheduler",
     "ema",
     "ema_decay",
+    "log_with",
 )
 _LADDER_KEYS = ("allow", "max_attempts", "crash_retries", "probe", "in_process")
 _RESOURCES_KEYS = ("gpus", "share", "memory", "host_memory", "cpus", "time_limit", "gpu_type", "disk")
@@ -142,7 +143,7 @@ SPECIAL_HINTS: dict[str, str] = {
 # [train] keys of the built-in trainer only: a command's script decides these itself.
 SCRIPT_OWNED_TRAIN_KEYS = (
     "learning_rate", "seed", "checkpoint_every_steps", "checkpoint_every_seconds", "keep_checkpoints", "keep_every_steps", "lr_warmup_steps",
-    "num_train_timesteps", "weight_decay", "lr_scheduler", "ema", "ema_decay",
+    "num_train_timesteps", "weight_decay", "lr_scheduler", "ema", "ema_decay", "log_with",
 )
 
 # What a command job may not have, by table: each is refused with its own reason (job.py).
