@@ -31,14 +31,27 @@ def with_real_exec_start(unit: Path, folder: Path) -> Path:
 @pytest.mark.parametrize("name", UNITS)
 def test_unit_files_verify(tmp_path, name):
     unit = with_real_exec_start(ROOT / "systemd" / name, tmp_path)
-    result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stderr.strip() == "", result.stderr
+    verify(unit)
     text = unit.read_text()
     # What the daemon relies on: notify with a watchdog, restarts, attempts left running, a
     # training process killed for host memory not taking the service down.
     for line in ("Type=notify", "WatchdogSec=", "Restart=on-failure", "KillMode=process", "OOMPolicy=continue"):
         assert line in text
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+def test_the_dashboards_unit_verifies_and_serves_on_loopback(tmp_path):
+    unit = tmp_path / "oomguard-web.service"
+    text = (ROOT / "systemd" / "oomguard-web.service").read_text().replace("/usr/local/bin/oomguard", str(OOMGUARD))
+    unit.write_text(text)
+    verify(unit)
+    assert f"ExecStart={OOMGUARD} serve --listen 127.0.0.1:" in text and "Restart=on-failure" in text
+
+
+def verify(unit: Path) -> None:
+    result = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.strip() == "", result.stderr
 
 
 @pytest.mark.skipif(shutil.which("systemd-tmpfiles") is None, reason="systemd-tmpfiles is not installed")
