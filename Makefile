@@ -11,7 +11,7 @@ TORCH_CPU ?= torch==2.13.0
 TORCH_GPU ?= torch
 STAMP := $(VENV)/.oomguard-installed
 
-.PHONY: demo test test-fast slurm-tools bench faults soak install clean
+.PHONY: demo test test-fast slurm-tools browser-tools bench faults soak install clean
 
 install: $(STAMP)
 
@@ -44,7 +44,7 @@ demo: $(STAMP)
 # file's tests stay in one worker (they share module fixtures: a daemon, a corpus). One torch
 # thread per process: workers' runners with a thread per core each fought over the cores.
 TEST_WORKERS ?= 3
-test: $(STAMP) slurm-tools
+test: $(STAMP) slurm-tools browser-tools
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not bench and not long" -n $(TEST_WORKERS) --dist loadfile
 
 # The Slurm backend's end-to-end tests start a throwaway cluster (tests/slurm_cluster.py) with
@@ -68,6 +68,27 @@ slurm-tools:
 	    fi; \
 	fi
 
+# The dashboard's browser test (tests/e2e/test_web_browser.py) and bench/dashboard_screenshots.py
+# drive headless Chromium with Debian's chromium and chromium-driver: installed here when missing
+# and make runs as root (about a minute). Otherwise, or when apt-get fails, a line says so and
+# the test skips with the reason.
+BROWSER_TOOLS := /usr/bin/chromium /usr/bin/chromedriver
+browser-tools:
+	@missing=$$(for t in $(BROWSER_TOOLS); do test -x $$t || echo $$t; done); \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" != 0 ]; then \
+	    echo "the browser test will skip: missing" $$missing "(as root, make installs chromium and chromium-driver)"; \
+	elif ! command -v apt-get >/dev/null; then \
+	    echo "the browser test will skip: missing" $$missing "and no apt-get to install chromium and chromium-driver"; \
+	else \
+	    echo "installing chromium and chromium-driver (missing:" $$missing")"; \
+	    if apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; then \
+	        echo "installed $$(dpkg-query -W -f '$${Package} $${Version}' chromium) and chromium-driver"; \
+	    else \
+	        echo "the browser test will skip: apt-get could not install chromium and chromium-driver"; \
+	    fi; \
+	fi
+
 # The unit layer alone: no process started, no sleep (tests/unit/conftest.py refuses both).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
@@ -78,11 +99,14 @@ test-fast: $(STAMP)
 #   diffusers' examples (bench/command_pairs.py) (ladder.md, ladder.json, ladder.png), each pair
 #   under the exact emulation and the caching allocator's, and the fragmentation pairs
 #   (bench/allocator_pairs.py: allocator_pairs.md);
-# - bench/speed.py: recovery latency, supervisor overhead, 10,000 queued jobs (speed.md, speed.json).
-bench: install
+# - bench/speed.py: recovery latency, supervisor overhead, 10,000 queued jobs (speed.md, speed.json);
+# - bench/dashboard_screenshots.py: the dashboard's queue and job pages in headless Chromium
+#   (dashboard-queue.png, dashboard-job.png; about 20 s; skipped, with a line, without Chromium).
+bench: install browser-tools
 	$(BIN)/python -m pytest -q -m bench tests/integration/test_bench_speed.py tests/integration/test_gpu_check.py tests/integration/test_bench_allocator.py
 	$(BIN)/python bench/ladder.py --update-readme
 	$(BIN)/python bench/speed.py --update-readme
+	$(BIN)/python bench/dashboard_screenshots.py
 
 # Fault injection (bench/faults.py): 20 jobs per fault under a real daemon while runners and the
 # daemon are SIGKILLed, checkpoints damaged, the disk filled and host memory squeezed under

@@ -26,6 +26,7 @@ import math
 import re
 import statistics
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from oomguard.daemon.store_rows import AttemptRow, EventRow, JobRow
@@ -38,9 +39,16 @@ from oomguard.strategies.units import format_bytes
 from oomguard.strategies.errors import ReportError
 from oomguard.strategies.step_up_history import BACK, UP
 
+# An attempt's metrics.jsonl as its steps and the count of lines that did not parse.
+MetricsReader = Callable[[Path], tuple[list[StepPoint], int]]
 
-def load_report(job: JobRow, attempts: list[AttemptRow], events: list[EventRow]) -> ReportData:
-    """What the figure draws, from Store.job(), Store.attempts() and Store.events() rows."""
+
+def load_report(
+    job: JobRow, attempts: list[AttemptRow], events: list[EventRow], read_metrics: MetricsReader | None = None,
+) -> ReportData:
+    """What the figure draws, from Store.job(), Store.attempts() and Store.events() rows.
+    ``read_metrics``: how an attempt's metrics.jsonl is read (every line, by default; the
+    dashboard's reader keeps what it read and thins a long run)."""
     if not attempts:
         raise ReportError(
             f"job {job.id} ({job.name}) has no attempts yet (it is {job.state}): nothing to draw. "
@@ -53,7 +61,7 @@ def load_report(job: JobRow, attempts: list[AttemptRow], events: list[EventRow])
     rungs: list[RungMarker] = []
     recovered: dict[int, int] = {}  # attempt number -> runner recoveries found in its files
     for row in rows:
-        attempt, outcome, recoveries = _load_attempt(row)
+        attempt, outcome, recoveries = _load_attempt(row, read_metrics or read_metrics_file)
         series.append(attempt)
         ooms.extend(_oom_markers(attempt, outcome, recoveries))
         rungs.extend(_runner_rungs(attempt, recoveries))
@@ -76,9 +84,9 @@ def load_report(job: JobRow, attempts: list[AttemptRow], events: list[EventRow])
     )
 
 
-def _load_attempt(row: AttemptRow) -> tuple[AttemptSeries, dict[str, Any] | None, list[dict[str, Any]]]:
+def _load_attempt(row: AttemptRow, read_metrics: MetricsReader) -> tuple[AttemptSeries, dict[str, Any] | None, list[dict[str, Any]]]:
     directory = Path(row.directory)
-    points, skipped = _read_metrics(directory / METRICS)
+    points, skipped = read_metrics(directory / METRICS)
     outcome = _dict_or_none(row.outcome_dict()) or _dict_or_none(read_json(directory / OUTCOME))
     heartbeat = _dict_or_none(read_json(directory / HEARTBEAT)) or {}
     recoveries = (outcome or {}).get("recoveries") or heartbeat.get("recoveries") or []
@@ -137,7 +145,7 @@ def _error_of(kind: str | None, outcome: dict[str, Any] | None) -> str | None:
         return None
 
 
-def _read_metrics(path: Path) -> tuple[list[StepPoint], int]:
+def read_metrics_file(path: Path) -> tuple[list[StepPoint], int]:
     """The steps of metrics.jsonl; lines that do not parse (a truncated last line of a
     running or killed attempt) are counted and skipped."""
     try:
@@ -149,24 +157,32 @@ def _read_metrics(path: Path) -> tuple[list[StepPoint], int]:
     for line in text.splitlines():
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-            point = StepPoint(
-                step=int(record["step"]),
-                time=float(record["time"]),
-                plan=str(record.get("plan") or "?"),
-                peak_bytes=_int_or_none(record.get("peak_bytes")),
-                capacity_bytes=_int_or_none(record.get("capacity_bytes")),
-                samples_per_s=_float_or_none(record.get("samples_per_s")),
-                reserved_bytes=_int_or_none(record.get("reserved_bytes")),
-                loss=_float_or_none(record.get("loss")),
-            )
-        except (ValueError, TypeError, KeyError, AttributeError):
+        point = step_point(line)
+        if point is None:
             skipped += 1
-            continue
-        points.append(point)
+        else:
+            points.append(point)
     points.sort(key=lambda p: p.time)
     return points, skipped
+
+
+def step_point(line: str | bytes) -> StepPoint | None:
+    """One metrics.jsonl line as a StepPoint; None for one that does not parse (the job's
+    owner writes the file: anything)."""
+    try:
+        record = json.loads(line)
+        return StepPoint(
+            step=int(record["step"]),
+            time=float(record["time"]),
+            plan=str(record.get("plan") or "?"),
+            peak_bytes=_int_or_none(record.get("peak_bytes")),
+            capacity_bytes=_int_or_none(record.get("capacity_bytes")),
+            samples_per_s=_float_or_none(record.get("samples_per_s")),
+            reserved_bytes=_int_or_none(record.get("reserved_bytes")),
+            loss=_float_or_none(record.get("loss")),
+        )
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
 
 
 def _time_of_step(attempt: AttemptSeries, step: int) -> float:

@@ -28,6 +28,7 @@ from oomguard.daemon.store import Store
 from oomguard.daemon.text import escape
 from oomguard.daemon.web import views
 from oomguard.daemon.web.peer import PEER_UID
+from oomguard.daemon.web.step_cache import StepCache
 from oomguard.daemon.web.tokens import Tokens
 from oomguard.daemon.web.viewer import Viewer, viewer_for
 from oomguard.strategies.errors import JobNotFound
@@ -61,6 +62,7 @@ def make_app(settings: ServeSettings) -> Starlette:
     templates.env.filters.update(inert=escape, size=_size, duration=_duration, clock=_clock, plan=_plan)
     templates.env.globals.update(refresh_seconds=REFRESH_SECONDS)
     state = StateDir(settings.state_dir)
+    steps = StepCache()  # what the job pages read of each attempt's metrics, kept between requests
 
     def render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
         # A live part asked for again: only the page's fragment (templates/_<page>.html).
@@ -119,7 +121,7 @@ def make_app(settings: ServeSettings) -> Starlette:
                 return render(request, "denied.html", {"why": "no_job", "job": key, "viewer": viewer}, 404)
             if not viewer.may_read(row):
                 return render(request, "denied.html", {"why": "not_yours", "job": row.id, "owner": row.owner, "viewer": viewer}, 403)
-            return render(request, "job.html", {"viewer": viewer, "job": views.job_page(store, row)})
+            return render(request, "job.html", {"viewer": viewer, "job": views.job_page(store, row, steps.read)})
 
         return page(request, build)
 

@@ -27,6 +27,7 @@ class Line:
     points: tuple[tuple[float, float], ...]  # (seconds since the chart's origin, value)
     css: str  # its class in dashboard.css: "held", "cap", "loss", ...
     reduce: Literal["max", "mean"] = "max"
+    steps: bool = False  # a value that holds until the next point (a cap), not a slope between them
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,10 @@ class Mark:
 
 def chart_svg(title: str, lines: Sequence[Line], marks: Sequence[Mark], y_text: Callable[[float], str], *, y_from_zero: bool = True) -> str:
     finite = [
-        Line(line.label, tuple(p for p in line.points if math.isfinite(p[0]) and math.isfinite(p[1])), line.css, line.reduce) for line in lines
+        Line(line.label, tuple(p for p in line.points if math.isfinite(p[0]) and math.isfinite(p[1])), line.css, line.reduce, line.steps)
+        for line in lines
     ]
-    drawn = [Line(line.label, _thin(line.points, line.reduce), line.css, line.reduce) for line in finite if line.points]
+    drawn = [Line(line.label, _thin(line.points, line.reduce), line.css, line.reduce, line.steps) for line in finite if line.points]
     xs = [x for line in drawn for x, _ in line.points] + [m.x for m in marks if math.isfinite(m.x)]
     ys = [y for line in drawn for _, y in line.points]
     parts = [
@@ -68,12 +70,13 @@ def chart_svg(title: str, lines: Sequence[Line], marks: Sequence[Mark], y_text: 
     for i in range(5):
         y = y_min + (y_max - y_min) * i / 4
         parts.append(f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py(y):.1f}" y2="{py(y):.1f}"/>')
-        parts.append(f'<text class="tick" x="{LEFT - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{_text(y_text(y))}</text>')
+        parts.append(f'<text class="tick" x="{LEFT - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{_text(y_text(y) if y else "0")}</text>')
     for i in range(6):
         x = x_max * i / 5
         parts.append(f'<text class="tick" x="{px(x):.1f}" y="{HEIGHT - 10}" text-anchor="middle">{_text(format_duration_short(x))}</text>')
     for line in drawn:
-        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in line.points)
+        points = _as_steps(line.points) if line.steps else line.points
+        coords = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in points)
         parts.append(f'<polyline class="line {_text(line.css)}" points="{coords}"><title>{_text(line.label)}</title></polyline>')
     for mark in marks:
         if not math.isfinite(mark.x):
@@ -101,6 +104,14 @@ def _thin(points: tuple[tuple[float, float], ...], reduce: Literal["max", "mean"
         values = [y for _, y in chunk]
         thinned.append((chunk[-1][0], max(values) if reduce == "max" else sum(values) / len(values)))
     return tuple(thinned)
+
+
+def _as_steps(points: tuple[tuple[float, float], ...]) -> tuple[tuple[float, float], ...]:
+    """Each value held until the next point's time, then the jump."""
+    stepped = list(points[:1])
+    for (_, before), (x, y) in zip(points, points[1:]):
+        stepped += [(x, before), (x, y)]
+    return tuple(stepped)
 
 
 def _text(value: str) -> str:

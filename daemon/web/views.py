@@ -12,7 +12,7 @@ from typing import Any
 from oomguard.daemon.cli.state import heartbeat_of, job_record
 from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN
 from oomguard.daemon.queue_rows import QueueRow, queue_row
-from oomguard.daemon.report import load_report
+from oomguard.daemon.report import MetricsReader, load_report
 from oomguard.daemon.report_data import ReportData
 from oomguard.daemon.store import Store
 from oomguard.daemon.store_rows import GpuSampleRow, JobRow
@@ -91,13 +91,13 @@ def gpu_page(store: Store) -> tuple[GpuEntry, ...]:
     return tuple(GpuEntry(sample, tuple(jobs_on.get(sample.gpu, ()))) for sample in store.latest_gpu_samples())
 
 
-def job_page(store: Store, job: JobRow) -> JobPage:
+def job_page(store: Store, job: JobRow, read_metrics: MetricsReader) -> JobPage:
     """Only for a viewer who may read the job (the caller checks)."""
     record = job_record(store, job)
     found = store.newest_attempts([job.id]).get(job.id)
     row = queue_row(job, found.attempt if found else None, found.count if found else 0, record["heartbeat"])
     try:
-        report = load_report(job, store.attempts(job.id), store.events(job.id))
+        report = load_report(job, store.attempts(job.id), store.events(job.id), read_metrics)
     except ReportError as error:
         return JobPage(record, row, None, None, (), str(error))
     rungs = tuple(RungEntry(i, rung.time, rung.label) for i, rung in enumerate(report.rungs, start=1))
@@ -113,7 +113,7 @@ def _memory_lines(report: ReportData) -> list[Line]:
         held = tuple((p.time - report.origin, float(p.held_bytes)) for p in attempt.points if p.held_bytes is not None)
         cap = tuple((p.time - report.origin, float(p.capacity_bytes)) for p in attempt.points if p.capacity_bytes is not None)
         lines.append(Line(f"attempt {attempt.number}: held", held, "held"))
-        lines.append(Line(f"attempt {attempt.number}: cap", cap, "cap"))
+        lines.append(Line(f"attempt {attempt.number}: cap", cap, "cap", steps=True))
     return lines
 
 
