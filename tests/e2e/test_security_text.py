@@ -22,6 +22,7 @@ from tests.conftest import as_root
 from tests.e2e.conftest import Daemon, oomguard, wait_for
 from tests.e2e.test_lab_box import as_user, write_job
 from tests.e2e.test_notifications import Endpoint, dead_port
+from tests.web_helpers import serving, token_of
 
 pytestmark = [as_root, pytest.mark.slow]
 
@@ -158,6 +159,14 @@ def test_bob_never_reads_alices_env_values_or_webhook_secrets(box, accounts) -> 
         assert attempt_files and not [path for path in attempt_files if any(s.encode() in path.read_bytes() for s in EVERY_SECRET)]
         secrets_file = state / "secrets" / f"{job_id}.json"
         assert json.loads(secrets_file.read_text())["env"] == {**SECRETS, "HF_HUB_OFFLINE": "1"}
+        # The dashboard (root's, reading everything) renders none of them, not even to alice.
+        with serving(state) as dashboard:
+            for who in (alice, bob):
+                token = token_of(as_user(who.name, "web-url", state=state, cwd=lab / who.name.removeprefix("ogtest-")).stdout)
+                for path in ("/", f"/jobs/{job_id}", f"/jobs/{job_id}?fragment=1", "/?page=1"):
+                    page = dashboard.get(path, cookie=token)
+                    assert page.status in (200, 403) and not [s for s in EVERY_SECRET if s in page.body], (who.name, path)
+            assert dashboard.get(f"/jobs/{job_id}", cookie=token_of(as_user(alice.name, "web-url", state=state, cwd=home).stdout)).status == 200
 
         # Alice still submits and cancels her own jobs; bob may not cancel hers.
         release = home / "release"
