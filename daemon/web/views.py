@@ -15,7 +15,9 @@ from oomguard.daemon.queue_rows import QueueRow, queue_row
 from oomguard.daemon.report import MetricsReader, load_report
 from oomguard.daemon.report_data import ReportData
 from oomguard.daemon.store import Store
-from oomguard.daemon.store_rows import GpuSampleRow, JobRow
+from oomguard.daemon import processes
+from oomguard.daemon.attempts import owner_uid
+from oomguard.daemon.store_rows import AttemptRow, GpuSampleRow, JobRow
 from oomguard.daemon.web.svg_chart import Line, Mark, chart_svg
 from oomguard.daemon.web.viewer import Viewer
 from oomguard.strategies.errors import ReportError
@@ -43,6 +45,7 @@ class QueuePage:
 class GpuEntry:
     sample: GpuSampleRow
     jobs: tuple[str, ...]  # "3 alice-a (alice)" for each oomguard job on it
+    whose: dict[int, str]  # pid -> the oomguard job it is a process of ("3 alice-a"); others are neighbours
 
 
 @dataclass(frozen=True)
@@ -84,11 +87,30 @@ def queue_page(store: Store, viewer: Viewer, page: int | None) -> QueuePage:
 
 def gpu_page(store: Store) -> tuple[GpuEntry, ...]:
     jobs_on: dict[int, list[str]] = {}
-    for attempt in store.running_attempts():
+    attempts = store.running_attempts()
+    for attempt in attempts:
         job = store.job(attempt.job_id)
         for index in attempt.gpus or ():
             jobs_on.setdefault(index, []).append(f"{job.id} {job.name} ({job.owner})")
-    return tuple(GpuEntry(sample, tuple(jobs_on.get(sample.gpu, ()))) for sample in store.latest_gpu_samples())
+    whose = _job_processes(store, attempts)
+    return tuple(GpuEntry(sample, tuple(jobs_on.get(sample.gpu, ())), whose) for sample in store.latest_gpu_samples())
+
+
+def _job_processes(store: Store, attempts: list[AttemptRow]) -> dict[int, str]:
+    """pid -> the job whose running attempt it belongs to: below the attempt's shim, or carrying
+    its mark as its owner (anyone may put the mark in their own process; that does not make it
+    the job's)."""
+    marked = processes.marks()
+    found: dict[int, str] = {}
+    for attempt in attempts:
+        job = store.job(attempt.job_id)
+        label = f"job {job.id} {job.name}"
+        owner = owner_uid(job)
+        pids = {pid for pid, mark in marked.items() if mark == attempt.directory and processes.real_uid(pid) == owner}
+        if attempt.pid is not None:
+            pids |= processes.descendants(attempt.pid)
+        found.update(dict.fromkeys(pids, label))
+    return found
 
 
 def job_page(store: Store, job: JobRow, read_metrics: MetricsReader) -> JobPage:
