@@ -79,10 +79,12 @@ def test_bytes_per_rank_of_each_level() -> None:
     plain = static_bytes(Plan.initial(8, world_size=2), full)
     assert (plain.parameters, plain.gradients, plain.optimizer_state) == (100, 100, 200)
     levels = {name: static_bytes(rung(name).step(Plan.initial(8, world_size=2)), full) for name in SHARDING}  # type: ignore[arg-type]
-    # shard_optimizer: the whole model gathered for a step beside its half; half the gradients and state.
-    assert (levels["shard_optimizer"].parameters, levels["shard_optimizer"].gradients, levels["shard_optimizer"].optimizer_state) == (150, 50, 100)
-    assert levels["shard_params"].parameters == 100 * (0.5 + sharding.UNIT_SHARE)
-    assert levels["shard_offload"].optimizer_state == 0 and levels["shard_offload"].parameters == 100 * sharding.UNIT_SHARE
+    # shard_optimizer: the whole model gathered for a step beside its half, and the unit being
+    # gathered; half the gradients and state.
+    unit = 100 * sharding.UNIT_SHARE
+    assert (levels["shard_optimizer"].parameters, levels["shard_optimizer"].gradients, levels["shard_optimizer"].optimizer_state) == (150 + unit, 50, 100)
+    assert levels["shard_params"].parameters == 50 + 2 * unit
+    assert levels["shard_offload"].optimizer_state == 0 and levels["shard_offload"].parameters == 50 + 2 * unit
     totals = [plain.total, *(levels[name].total for name in SHARDING)]
     assert totals == sorted(totals, reverse=True)
 
