@@ -252,13 +252,18 @@ def _runner_rungs(attempt: AttemptSeries, recoveries: list[dict[str, Any]]) -> l
         if isinstance(bucket, list) and len(bucket) == 2:
             # One aspect-ratio bucket's slices shrank; the plan stayed (numbers only: the job's file).
             width, height, micro = _int_or_none(bucket[0]), _int_or_none(bucket[1]), _int_or_none(recovery.get("bucket_micro_batch"))
-            markers.append(RungMarker(time, attempt.number, "runner", f"bucket {width}x{height}: micro-batch {micro}"))
+            markers.append(RungMarker(time, attempt.number, "runner", f"bucket {width}x{height}: micro-batch {micro}", _why(recovery)))
             continue
         to = _plan_text(recovery.get("to"))
         # A step back up (jobs/step_ups.py) and its failure read as what they are on the plot.
         how = "probe" if probe else {UP: "stepped up", BACK: "step up failed"}.get(str(recovery.get("direction")), "in-process")
-        markers.append(RungMarker(time, attempt.number, "runner", f"{how} -> [{to}]"))
+        markers.append(RungMarker(time, attempt.number, "runner", f"{how} -> [{to}]", _why(recovery)))
     return markers
+
+
+def _why(recovery: dict[str, Any]) -> str:
+    """A runner's change of plan in words: the OOM it answered (when one did), then the reason."""
+    return ": ".join(str(recovery[key]) for key in ("oom", "reason") if isinstance(recovery.get(key), str) and recovery[key])
 
 
 RUNNER_EVENT = re.compile(r"in the runner: \[(?P<old>[^\]]*)\] -> \[(?P<new>[^\]]*)\]")
@@ -286,7 +291,7 @@ def _event_rungs(series: list[AttemptSeries], events: list[EventRow], recovered:
             rung = message.split(":", 1)[0].strip() if message.startswith("rung ") else message
         after = [a for a in series if a.started_at >= at]
         label = shorten(rung, 28) + (f" -> [{after[0].plan}]" if after else "")
-        markers.append(RungMarker(at, attempt, "daemon", label))
+        markers.append(RungMarker(at, attempt, "daemon", label, message))
     # The runner's recoveries reach the store as events too; draw only those no file holds.
     for attempt, found in runner_events.items():
         for event in found[recovered.get(attempt, 0) if attempt is not None else 0 :]:
@@ -295,7 +300,7 @@ def _event_rungs(series: list[AttemptSeries], events: list[EventRow], recovered:
                 label = f"in-process -> [{event.data['to']}]"
             else:
                 label = f"in-process -> [{match['new']}]" if match else shorten(str(event.message or "rung"), 40)
-            markers.append(RungMarker(float(event.at), attempt, "runner", label))
+            markers.append(RungMarker(float(event.at), attempt, "runner", label, str(event.message or "")))
     return markers
 
 

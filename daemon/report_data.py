@@ -77,7 +77,8 @@ class RungMarker:
     time: float
     attempt: int | None  # the attempt it happened in (runner) or after (daemon)
     source: RungSource
-    label: str
+    label: str  # short, for a mark on the figure
+    reason: str = ""  # why, in the doctor's or the runner's words (the dashboard lists it)
 
 
 @dataclass(frozen=True)

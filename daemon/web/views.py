@@ -53,6 +53,7 @@ class RungEntry:
     number: int  # as marked on the charts
     at: float
     text: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def job_page(store: Store, job: JobRow, read_metrics: MetricsReader) -> JobPage:
         report = load_report(job, store.attempts(job.id), store.events(job.id), read_metrics)
     except ReportError as error:
         return JobPage(record, row, None, None, (), str(error))
-    rungs = tuple(RungEntry(i, rung.time, rung.label) for i, rung in enumerate(report.rungs, start=1))
+    rungs = tuple(RungEntry(i, rung.time, rung.label, rung.reason) for i, rung in enumerate(report.rungs, start=1))
     marks = _marks(report, rungs)
     memory = chart_svg("device memory held against the cap", _memory_lines(report), marks, format_bytes)
     loss = chart_svg("loss", _loss_lines(report), marks, _loss_text, y_from_zero=False)

@@ -81,6 +81,7 @@ def test_each_user_sees_every_row_and_only_their_own_jobs_details(lab: Path, acc
                 assert "signed in as <b>ogtest-alice</b>" in page
                 rungs = re.search(r'<ol class="rungs">(.*?)</ol>', page, re.S)
                 assert rungs and "in-process" in rungs.group(1), page[-3000:]
+                assert "out of memory in forward at step 10" in rungs.group(1)  # the rung's reason
                 assert page.count("<svg") == 2 and 'class="mark rung"' in page
             assert dashboard.get("/jobs/2", cookie=alice_token).status == 403
             # A member of the admin group sees every job's page, as root would.
