@@ -97,8 +97,9 @@ def plan_shown(job: JobRow, heartbeat: dict[str, Any]) -> str:
 
 
 def _number(value: Any) -> int | float | None:
-    """A number from a file a job's owner writes (heartbeat.json), else None."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf"):
+    """A number from a file a job's owner writes (heartbeat.json), else None; one past 2**63
+    too (a 400-digit integer overflowed the ETA's float division and the size's formatting)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) <= 2**63:
         return value
     return None
 

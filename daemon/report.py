@@ -32,7 +32,7 @@ from typing import Any
 from oomguard.daemon.store_rows import AttemptRow, EventRow, JobRow
 from oomguard.daemon.report_data import AttemptSeries, OomKind, OomMarker, PlanRate, ReportData, RungMarker, StepPoint
 from oomguard.daemon.text import shorten
-from oomguard.jobs.attempt import HEARTBEAT, METRICS, OUTCOME, read_json
+from oomguard.jobs.attempt import HEARTBEAT, METRICS, OUTCOME, AttemptFiles
 from oomguard.strategies.outcome import Outcome
 from oomguard.strategies.plan import Plan
 from oomguard.strategies.units import format_bytes
@@ -40,15 +40,18 @@ from oomguard.strategies.errors import ReportError
 from oomguard.strategies.step_up_history import BACK, UP
 
 # An attempt's metrics.jsonl as its steps and the count of lines that did not parse.
-MetricsReader = Callable[[Path], tuple[list[StepPoint], int]]
+MetricsReader = Callable[[AttemptFiles], tuple[list[StepPoint], int]]
 
 
 def load_report(
-    job: JobRow, attempts: list[AttemptRow], events: list[EventRow], read_metrics: MetricsReader | None = None,
+    job: JobRow, attempts: list[AttemptRow], events: list[EventRow],
+    files_of: Callable[[AttemptRow], AttemptFiles] | None = None, read_metrics: MetricsReader | None = None,
 ) -> ReportData:
     """What the figure draws, from Store.job(), Store.attempts() and Store.events() rows.
-    ``read_metrics``: how an attempt's metrics.jsonl is read (every line, by default; the
-    dashboard's reader keeps what it read and thins a long run)."""
+    ``files_of``: how an attempt's folder is opened (as named, by default: the CLI reads as its
+    user; the dashboard, as root, opens it as its owner's without following a link).
+    ``read_metrics``: how its metrics.jsonl is read (every line, by default; the dashboard's
+    reader keeps what it read and thins a long run)."""
     if not attempts:
         raise ReportError(
             f"job {job.id} ({job.name}) has no attempts yet (it is {job.state}): nothing to draw. "
@@ -61,7 +64,8 @@ def load_report(
     rungs: list[RungMarker] = []
     recovered: dict[int, int] = {}  # attempt number -> runner recoveries found in its files
     for row in rows:
-        attempt, outcome, recoveries = _load_attempt(row, read_metrics or read_metrics_file)
+        with (files_of or _as_named)(row) as files:
+            attempt, outcome, recoveries = _load_attempt(row, files, read_metrics or read_metrics_file)
         series.append(attempt)
         ooms.extend(_oom_markers(attempt, outcome, recoveries))
         rungs.extend(_runner_rungs(attempt, recoveries))
@@ -84,11 +88,17 @@ def load_report(
     )
 
 
-def _load_attempt(row: AttemptRow, read_metrics: MetricsReader) -> tuple[AttemptSeries, dict[str, Any] | None, list[dict[str, Any]]]:
+def _as_named(row: AttemptRow) -> AttemptFiles:
+    return AttemptFiles(Path(row.directory))
+
+
+def _load_attempt(
+    row: AttemptRow, files: AttemptFiles, read_metrics: MetricsReader,
+) -> tuple[AttemptSeries, dict[str, Any] | None, list[dict[str, Any]]]:
     directory = Path(row.directory)
-    points, skipped = read_metrics(directory / METRICS)
-    outcome = _dict_or_none(row.outcome_dict()) or _dict_or_none(read_json(directory / OUTCOME))
-    heartbeat = _dict_or_none(read_json(directory / HEARTBEAT)) or {}
+    points, skipped = read_metrics(files)
+    outcome = _dict_or_none(row.outcome_dict()) or _dict_or_none(files.read_json(OUTCOME))
+    heartbeat = _dict_or_none(files.read_json(HEARTBEAT)) or {}
     recoveries = (outcome or {}).get("recoveries") or heartbeat.get("recoveries") or []
     recoveries = [r for r in recoveries if isinstance(r, dict)]
     kind = row.outcome_kind or (outcome or {}).get("kind")
@@ -99,13 +109,13 @@ def _load_attempt(row: AttemptRow, read_metrics: MetricsReader) -> tuple[Attempt
     else:
         # Not collected by the daemon (yet): its last sign of life.
         alive = [started] + [p.time for p in points[-1:]]
-        outcome_file = directory / OUTCOME
-        if outcome is not None and outcome_file.exists():
-            alive.append(outcome_file.stat().st_mtime)
+        written = files.mtime(OUTCOME)
+        if outcome is not None and written is not None:
+            alive.append(written)
         end = max(alive)
     note = None
     if not points:
-        if not directory.is_dir():
+        if files.problem is not None or not directory.is_dir():
             note = f"no metrics: its directory {directory} is gone"
         elif kind:
             step = (outcome or {}).get("step")
@@ -145,11 +155,12 @@ def _error_of(kind: str | None, outcome: dict[str, Any] | None) -> str | None:
         return None
 
 
-def read_metrics_file(path: Path) -> tuple[list[StepPoint], int]:
-    """The steps of metrics.jsonl; lines that do not parse (a truncated last line of a
-    running or killed attempt) are counted and skipped."""
+def read_metrics_file(files: AttemptFiles) -> tuple[list[StepPoint], int]:
+    """The steps of the attempt's metrics.jsonl; lines that do not parse (a truncated last
+    line of a running or killed attempt) are counted and skipped."""
     try:
-        text = path.read_text(errors="replace")
+        with files.open(METRICS) as handle:
+            text = handle.read().decode(errors="replace")
     except OSError:
         return [], 0
     points: list[StepPoint] = []

@@ -20,6 +20,8 @@ class Wakeup:
 
     def __init__(self) -> None:
         self._read, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._read, select.POLLIN)
 
     def set(self) -> None:
         try:
@@ -36,6 +38,6 @@ class Wakeup:
 
     def wait(self, timeout: float) -> bool:
         """Until set or ``timeout`` seconds; True if set. A signal that interrupts the wait
-        without setting it does not end it (select is retried, PEP 475)."""
-        readable, _, _ = select.select([self._read], [], [], timeout)
-        return bool(readable)
+        without setting it does not end it (poll is retried, PEP 475). poll, not select: a
+        descriptor numbered 1024 or more is fine."""
+        return bool(self._poll.poll(timeout * 1000))

@@ -172,8 +172,9 @@ def run_probe(
         safe = planner.choose(origin, open_plans, model, capacity)
         # A plan that could fit and, at the speed it could have, beat the best safe one is worth a
         # step (margins are for plans nobody measured; a shape timed once may be faster larger).
-        # A sharded plan's OOM inside its collectives ends the attempt: one of a sharding level
-        # never seen to fit is measured only when the margins say it fits (its terms are rough).
+        # A sharded plan's OOM inside its collectives ends the attempt: one whose shape (its
+        # sharding level and every other knob but the micro-batch) was never seen to fit is
+        # measured only when the margins say it fits (the sharding terms are rough).
         fitted = {shape_of(m.plan) for m in measurements if m.fits}
         worth_a_try = [p for p in open_plans if p not in ran and (not rungs.sharded(p) or shape_of(p) in fitted)]
         hopeful = planner.choose(origin, worth_a_try, model, capacity, optimistic=True, optimistic_speed=True)

@@ -29,13 +29,20 @@ class Dashboard:
     socket: Path
     output: Path
 
+    def sign_in(self, token: str) -> str:
+        """The session cookie a link's token gets a browser (its first visit)."""
+        answer = self.get("/", token=token)
+        match = re.search(r"oomguard_session=([^;]+)", answer.headers.get("set-cookie", ""))
+        assert answer.status == 303 and match, answer
+        return match.group(1)
+
     def get(self, path: str, token: str | None = None, cookie: str | None = None) -> Answer:
-        """GET over TCP; ``token``: as the link's query; ``cookie``: as the browser sends it after."""
+        """GET over TCP; ``token``: as the link's query; ``cookie``: the session a browser sends."""
         parts = urlsplit(self.base_url)
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
         if token is not None:
             path += ("&" if "?" in path else "?") + f"token={token}"
-        headers = {"Cookie": f"oomguard_token={cookie}"} if cookie else {}
+        headers = {"Cookie": f"oomguard_session={cookie}"} if cookie else {}
         try:
             connection.request("GET", path, headers=headers)
             response = connection.getresponse()

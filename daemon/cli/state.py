@@ -8,6 +8,7 @@ import os
 import pwd
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from oomguard.daemon.cli.output import EXIT_FAILED, CliError
@@ -15,11 +16,14 @@ from oomguard.daemon.paths import StateDir
 from oomguard.daemon.store import Store, owns
 from oomguard.daemon.store_rows import AttemptRow, JobRow, RequestRow
 from oomguard.daemon.users import user_name
-from oomguard.jobs.attempt import HEARTBEAT, read_json
+from oomguard.jobs.attempt import HEARTBEAT, AttemptFiles
 from oomguard.jobs.device import DeviceSpec
 from oomguard.jobs.emulated_allocator import AllocatorEmulation
 from oomguard.jobs.sizes import CapSchedule
 from oomguard.strategies.errors import AmbiguousJobName, InboxNameTaken, JobNotFound
+
+# How an attempt's folder is opened to read what its processes wrote.
+FilesOf = Callable[[AttemptRow], AttemptFiles]
 
 
 def current_user() -> str:
@@ -143,20 +147,29 @@ def answer_to(store: Store, spooled: Path) -> tuple[JobRow | None, RequestRow | 
     return answer.job, answer.request
 
 
-def latest_heartbeat(store: Store, job_id: int) -> dict[str, Any] | None:
+def latest_heartbeat(store: Store, job_id: int, files_of: FilesOf | None = None) -> dict[str, Any] | None:
     attempts = store.attempts(job_id)
-    return heartbeat_of(attempts[-1] if attempts else None)
+    return heartbeat_of(attempts[-1] if attempts else None, files_of)
 
 
-def heartbeat_of(attempt: AttemptRow | None) -> dict[str, Any] | None:
+def heartbeat_of(attempt: AttemptRow | None, files_of: FilesOf | None = None) -> dict[str, Any] | None:
     """An attempt's heartbeat; None also when it is another user's to read (a job's workdir
     belongs to its owner): read_json says None for every file it cannot read, and when it is
-    not a JSON object (the job's owner writes it: anything)."""
-    heartbeat = read_json(Path(attempt.directory) / HEARTBEAT) if attempt else None
+    not a JSON object (the job's owner writes it: anything). ``files_of``: how the attempt's
+    folder is opened (as named by default, for the CLI's own user; the dashboard, as root,
+    opens it as its owner's without following a link: daemon/attempts.py files_of)."""
+    if attempt is None:
+        return None
+    with (files_of or _as_named)(attempt) as files:
+        heartbeat = files.read_json(HEARTBEAT)
     return heartbeat if isinstance(heartbeat, dict) else None
 
 
-def job_record(store: Store, job: JobRow) -> dict[str, Any]:
+def _as_named(attempt: AttemptRow) -> AttemptFiles:
+    return AttemptFiles(Path(attempt.directory))
+
+
+def job_record(store: Store, job: JobRow, files_of: FilesOf | None = None) -> dict[str, Any]:
     """A job with its attempts and events, as `show --json` and `run --json` print it: the rows
     as stored, their JSON columns as objects."""
     record = {**job.as_stored(), "spec": job.spec_dict(), "plan": job.plan_dict()}
@@ -168,5 +181,5 @@ def job_record(store: Store, job: JobRow) -> dict[str, Any]:
     # Each event with its code and figures (null and {} for one recorded before they were
     # kept): what a program matches on, where the message is for people.
     record["events"] = [{**event.as_stored(), "data": event.data} for event in store.events(job.id)]
-    record["heartbeat"] = latest_heartbeat(store, job.id)
+    record["heartbeat"] = latest_heartbeat(store, job.id, files_of)
     return record

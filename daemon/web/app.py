@@ -29,13 +29,13 @@ from oomguard.daemon.text import escape
 from oomguard.daemon.web import views
 from oomguard.daemon.web.peer import PEER_UID
 from oomguard.daemon.web.step_cache import StepCache
-from oomguard.daemon.web.tokens import Tokens
+from oomguard.daemon.web.tokens import SESSION_SECONDS, Tokens
 from oomguard.daemon.web.viewer import Viewer, viewer_for
 from oomguard.strategies.errors import JobNotFound
 from oomguard.strategies.units import format_bytes, format_duration_short
 
 HERE = Path(__file__).parent
-COOKIE = "oomguard_token"
+COOKIE = "oomguard_session"
 REFRESH_SECONDS = 3  # the live parts' period (dashboard.js reads it from the page)
 # Who may reach the server by name: a page of another site that points its own name at
 # 127.0.0.1 (DNS rebinding) is refused before any route runs.
@@ -75,19 +75,30 @@ def make_app(settings: ServeSettings) -> Starlette:
     def viewer_of(request: Request) -> Viewer | None:
         uid = request.scope.get("state", {}).get(PEER_UID)
         if uid is None:
-            token = request.cookies.get(COOKIE)
-            uid = settings.tokens.uid_of(token) if token else None
+            uid = session_uid(request)
         return viewer_for(uid, settings.server_uid, settings.admin_group) if uid is not None else None
+
+    def session_uid(request: Request) -> int | None:
+        session = request.cookies.get(COOKIE)
+        return settings.tokens.uid_of_session(session, time.time()) if session else None
 
     def page(request: Request, build: Any) -> Response:
         """A page for whoever is asking: a link's token becomes a cookie (and leaves the address
         bar); no one known, or no store, gets a page that says what to do."""
         token = request.query_params.get("token")
         if token is not None:
-            if settings.tokens.uid_of(token) is None:
+            uid = settings.tokens.uid_of(token)
+            if uid is None:
                 return render(request, "denied.html", {"why": "bad_token"}, 401)
+            signed_in = session_uid(request)
+            if signed_in is not None and signed_in != uid:
+                # Someone else's link (another page may have sent this browser to it) does not
+                # quietly make you them.
+                return render(request, "denied.html", {"why": "other_user", "viewer": viewer_for(signed_in, settings.server_uid, settings.admin_group)}, 409)
             response = RedirectResponse(request.url.remove_query_params("token"), status_code=303)
-            response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/")
+            response.set_cookie(
+                COOKIE, settings.tokens.session_for(uid, time.time()), max_age=SESSION_SECONDS, httponly=True, samesite="strict", path="/",
+            )
             response.headers.update(SECURITY_HEADERS)
             return response
         viewer = viewer_of(request)

@@ -19,9 +19,10 @@ from typing import BinaryIO
 
 from oomguard.daemon.report import step_point
 from oomguard.daemon.report_data import StepPoint
+from oomguard.jobs.attempt import METRICS, AttemptFiles
 
 KEEP = 4096
-FILES = 64  # files kept, the least recently read forgotten first (each up to KEEP points)
+FILES = 256  # files kept, the least recently read forgotten first (each up to KEEP points): a job has a few dozen attempts
 CHUNK = 8 << 20  # read at a time (a three-week run's file is hundreds of MiB)
 
 
@@ -36,34 +37,42 @@ class _File:
 class StepCache:
     def __init__(self) -> None:
         self._files: OrderedDict[Path, _File] = OrderedDict()
-        self._lock = threading.Lock()  # requests are served from a pool of threads
+        self._locks: dict[Path, threading.Lock] = {}
+        self._lock = threading.Lock()  # for the two dicts: requests are served from a pool of threads
 
-    def read(self, path: Path) -> tuple[list[StepPoint], int]:
-        """What report.read_metrics_file says of the file, thinned; an unfinished last line
-        waits for the next read (counted as skipped while it is last)."""
+    def read(self, files: AttemptFiles) -> tuple[list[StepPoint], int]:
+        """What report.read_metrics_file says of the attempt's metrics.jsonl, thinned; an
+        unfinished last line waits for the next read (counted as skipped while it is last).
+        ``files`` opens it as its owner's, never through a link, only a regular file; a read
+        stops at the size it had when opened (one file's reader holds only that file's lock)."""
+        path = files.path / METRICS
+        with self._lock:
+            lock = self._locks.setdefault(path, threading.Lock())
         try:
-            status = os.stat(path)
-            with open(path, "rb") as file, self._lock:
-                cached = self._files.get(path)
-                # Another file now (an inode's number is reused at once): read it from its start.
-                if cached is None or cached.inode != status.st_ino or status.st_size < cached.offset:
-                    cached = self._files[path] = _File(status.st_ino)
-                self._files.move_to_end(path)
-                while len(self._files) > FILES:
-                    self._files.popitem(last=False)
-                tail = _catch_up(file, cached)
+            with files.open(METRICS) as handle, lock:
+                status = os.fstat(handle.fileno())
+                with self._lock:
+                    cached = self._files.get(path)
+                    # Another file now (an inode's number is reused at once): read it from its start.
+                    if cached is None or cached.inode != status.st_ino or status.st_size < cached.offset:
+                        cached = self._files[path] = _File(status.st_ino)
+                    self._files.move_to_end(path)
+                    while len(self._files) > FILES:
+                        forgotten, _ = self._files.popitem(last=False)
+                        self._locks.pop(forgotten, None)
+                tail = _catch_up(handle, cached, status.st_size)
                 unfinished = 1 if tail.strip() and step_point(tail) is None else 0
                 return sorted(cached.points, key=lambda p: p.time), cached.skipped + unfinished
         except OSError:
             return [], 0
 
 
-def _catch_up(file: BinaryIO, cached: _File) -> bytes:
-    """Read the whole lines written since the last read, CHUNK at a time; returns what follows
-    the last whole line (a line being written)."""
+def _catch_up(file: BinaryIO, cached: _File, size: int) -> bytes:
+    """Read the whole lines written since the last read, up to ``size``, CHUNK at a time;
+    returns what follows the last whole line (a line being written)."""
     while True:
         file.seek(cached.offset)
-        data = file.read(CHUNK)
+        data = file.read(min(CHUNK, size - cached.offset))
         whole = data[: data.rfind(b"\n") + 1]
         if not whole and len(data) == CHUNK:  # a "line" longer than CHUNK: no metrics line is
             cached.offset += len(data)
@@ -79,7 +88,7 @@ def _catch_up(file: BinaryIO, cached: _File) -> bytes:
         cached.offset += len(whole)
         while len(cached.points) > KEEP:
             cached.points = _halved(cached.points)
-        if len(data) < CHUNK:
+        if cached.offset + len(data) - len(whole) >= size or not whole:
             return data[len(whole):]
 
 

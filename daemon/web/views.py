@@ -9,14 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from oomguard.daemon.cli.state import heartbeat_of, job_record
+from oomguard.daemon.cli.state import FilesOf, heartbeat_of, job_record
 from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN
 from oomguard.daemon.queue_rows import QueueRow, queue_row
 from oomguard.daemon.report import MetricsReader, load_report
 from oomguard.daemon.report_data import ReportData
 from oomguard.daemon.store import Store
 from oomguard.daemon import processes
-from oomguard.daemon.attempts import owner_uid
+from oomguard.daemon.attempts import files_of, owner_uid
 from oomguard.daemon.store_rows import AttemptRow, GpuSampleRow, JobRow
 from oomguard.daemon.web.svg_chart import Line, Mark, chart_svg
 from oomguard.daemon.web.viewer import Viewer
@@ -80,8 +80,9 @@ def queue_page(store: Store, viewer: Viewer, page: int | None) -> QueuePage:
         readable = viewer.may_read(job)
         found = newest.get(job.id)
         attempt = found.attempt if found else None
-        # The server reads every job's files; it shows their progress only to who may read them.
-        heartbeat = heartbeat_of(attempt) if readable else None
+        # The server (root) reads a job's files as its owner's, never through a link the owner
+        # planted, and shows their progress only to who may read them.
+        heartbeat = heartbeat_of(attempt, owned(store)) if readable else None
         entries.append(QueueEntry(queue_row(job, attempt, found.count if found else 0, heartbeat), readable))
     return QueuePage(tuple(entries), counts, page, pages, total)
 
@@ -116,11 +117,11 @@ def _job_processes(store: Store, attempts: list[AttemptRow]) -> dict[int, str]:
 
 def job_page(store: Store, job: JobRow, read_metrics: MetricsReader) -> JobPage:
     """Only for a viewer who may read the job (the caller checks)."""
-    record = job_record(store, job)
+    record = job_record(store, job, owned(store))
     found = store.newest_attempts([job.id]).get(job.id)
     row = queue_row(job, found.attempt if found else None, found.count if found else 0, record["heartbeat"])
     try:
-        report = load_report(job, store.attempts(job.id), store.events(job.id), read_metrics)
+        report = load_report(job, store.attempts(job.id), store.events(job.id), owned(store), read_metrics)
     except ReportError as error:
         return JobPage(record, row, None, None, (), str(error))
     rungs = tuple(RungEntry(i, rung.time, rung.label, rung.reason) for i, rung in enumerate(report.rungs, start=1))
@@ -128,6 +129,11 @@ def job_page(store: Store, job: JobRow, read_metrics: MetricsReader) -> JobPage:
     memory = chart_svg("device memory held against the cap", _memory_lines(report), marks, format_bytes)
     loss = chart_svg("loss", _loss_lines(report), marks, _loss_text, y_from_zero=False)
     return JobPage(record, row, memory, loss, rungs, None)
+
+
+def owned(store: Store) -> FilesOf:
+    """An attempt's folder opened as its owner's (daemon/attempts.py files_of)."""
+    return lambda attempt: files_of(store, attempt)
 
 
 def _memory_lines(report: ReportData) -> list[Line]:

@@ -162,11 +162,12 @@ def test_bob_never_reads_alices_env_values_or_webhook_secrets(box, accounts) -> 
         # The dashboard (root's, reading everything) renders none of them, not even to alice.
         with serving(state) as dashboard:
             for who in (alice, bob):
-                token = token_of(as_user(who.name, "web-url", state=state, cwd=lab / who.name.removeprefix("ogtest-")).stdout)
+                token = dashboard.sign_in(token_of(as_user(who.name, "web-url", state=state, cwd=lab / who.name.removeprefix("ogtest-")).stdout))
                 for path in ("/", f"/jobs/{job_id}", f"/jobs/{job_id}?fragment=1", "/?page=1"):
                     page = dashboard.get(path, cookie=token)
                     assert page.status in (200, 403) and not [s for s in EVERY_SECRET if s in page.body], (who.name, path)
-            assert dashboard.get(f"/jobs/{job_id}", cookie=token_of(as_user(alice.name, "web-url", state=state, cwd=home).stdout)).status == 200
+            alices = dashboard.sign_in(token_of(as_user(alice.name, "web-url", state=state, cwd=home).stdout))
+            assert dashboard.get(f"/jobs/{job_id}", cookie=alices).status == 200
 
         # Alice still submits and cancels her own jobs; bob may not cancel hers.
         release = home / "release"

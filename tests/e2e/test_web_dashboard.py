@@ -56,7 +56,8 @@ def test_each_user_sees_every_row_and_only_their_own_jobs_details(lab: Path, acc
             for who, link in links.items():
                 assert link.returncode == 0, link.stderr
                 assert token_of(link.stdout).split(".")[0] == str(accounts[who].uid)  # each link names its user
-            alice_token, bob_token, carol_token = (token_of(links[who].stdout) for who in ("alice", "bob", "carol"))
+            # Each opens their link: the browser keeps a session.
+            alice_token, bob_token, carol_token = (dashboard.sign_in(token_of(links[who].stdout)) for who in ("alice", "bob", "carol"))
 
             # Bob sees both rows; alice's without a link to its page and without its progress.
             queue = dashboard.get("/", cookie=bob_token)
@@ -87,8 +88,8 @@ def test_each_user_sees_every_row_and_only_their_own_jobs_details(lab: Path, acc
             # A member of the admin group sees every job's page, as root would.
             assert dashboard.get("/jobs/1", cookie=carol_token).status == 200
             assert dashboard.get("/jobs/2", cookie=carol_token).status == 200
-            # Bob's token is bob's: he cannot turn it into alice's.
-            uid, mac = bob_token.split(".")
-            assert dashboard.get("/jobs/1", cookie=f"{alice.uid}.{mac}").status == 401
+            # Bob's session is bob's: he cannot turn it into alice's.
+            uid, issued, mac = bob_token.split(".")
+            assert dashboard.get("/jobs/1", cookie=f"{alice.uid}.{issued}.{mac}").status == 401
     finally:
         daemon.stop()

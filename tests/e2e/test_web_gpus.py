@@ -26,7 +26,7 @@ def test_the_gpu_page_tells_a_jobs_processes_from_a_neighbours(tmp_path: Path, d
     )
     try:
         with serving(daemon.state_dir) as dashboard:
-            token = token_of(oomguard("web-url", state_dir=daemon.state_dir, check=True).stdout)
+            token = dashboard.sign_in(token_of(oomguard("web-url", state_dir=daemon.state_dir, check=True).stdout))
 
             def page() -> str | None:
                 body = dashboard.get("/gpus", cookie=token).body

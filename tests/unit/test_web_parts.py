@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import pytest
 from oomguard.daemon.report import read_metrics_file
 from oomguard.daemon.web.step_cache import KEEP, StepCache
 from oomguard.daemon.web.svg_chart import MAX_POINTS, Line, Mark, chart_svg
-from oomguard.daemon.web.tokens import Tokens
+from oomguard.daemon.web.tokens import SESSION_SECONDS, Tokens
+from oomguard.jobs.attempt import AttemptFiles
 
 
 def test_a_token_names_one_uid_and_cannot_be_altered_into_another(tmp_path: Path) -> None:
@@ -19,13 +21,25 @@ def test_a_token_names_one_uid_and_cannot_be_altered_into_another(tmp_path: Path
     token = tokens.token_for(1001)
     assert tokens.uid_of(token) == 1001
     uid, mac = token.split(".")
-    for forged in (f"1002.{mac}", f"{uid}.{mac[:-1]}0", f"{uid}.", ".", "", "1001", f"{uid}.{mac}.x", f"+1001.{mac}", f"١٠٠١.{mac}"):
+    for forged in (f"1002.{mac}", f"{uid}.{mac[:-1]}0", f"{uid}.", ".", "", "1001", f"{uid}.{mac}.x", f"+1001.{mac}", f"١٠٠١.{mac}", f"{uid}.é"):
         assert tokens.uid_of(forged) is None, forged
     # The key is the server's alone, and the same one makes the same tokens after a restart.
     assert (tmp_path / "secrets" / "web.key").stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "secrets").stat().st_mode & 0o777 == 0o700
     assert Tokens(tmp_path / "secrets" / "web.key").token_for(1001) == token
     assert Tokens(tmp_path / "other.key").uid_of(token) is None
+
+
+def test_a_session_names_its_uid_until_it_expires_and_is_no_token(tmp_path: Path) -> None:
+    tokens = Tokens(tmp_path / "web.key")
+    session = tokens.session_for(1001, now=1_000_000.0)
+    assert tokens.uid_of_session(session, now=1_000_000.0 + SESSION_SECONDS - 1) == 1001
+    assert tokens.uid_of_session(session, now=1_000_000.0 + SESSION_SECONDS) is None  # expired
+    assert tokens.uid_of_session(session, now=999_000.0) is None  # issued in the future
+    uid, issued, mac = session.split(".")
+    for forged in (f"1002.{issued}.{mac}", f"{uid}.{int(issued) + 3600}.{mac}", f"{uid}.{issued}.{'0' * 64}", f"{uid}.{issued}.é", tokens.token_for(1001)):
+        assert tokens.uid_of_session(forged, now=1_000_000.0) is None, forged
+    assert tokens.uid_of(session) is None
 
 
 def test_a_damaged_key_is_refused_with_the_fix(tmp_path: Path) -> None:
@@ -68,28 +82,35 @@ def metrics_line(step: int, **extra) -> str:
 def test_the_step_cache_reads_only_what_was_added_and_waits_for_an_unfinished_line(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(metrics_line(i) for i in range(1, 11)))
-    cache = StepCache()
-    points, skipped = cache.read(path)
+    cache, files = StepCache(), AttemptFiles(tmp_path)
+    points, skipped = cache.read(files)
     assert [p.step for p in points] == list(range(1, 11)) and skipped == 0
-    assert (points, skipped) == read_metrics_file(path)  # what the report's reader says
+    assert (points, skipped) == read_metrics_file(files)  # what the report's reader says
     with path.open("a") as file:
         file.write(metrics_line(11) + "not json\n" + metrics_line(12)[:20])
-    points, skipped = cache.read(path)
+    points, skipped = cache.read(files)
     assert points[-1].step == 11 and skipped == 2  # the bad line, and the line being written
     with path.open("a") as file:
         file.write(metrics_line(12)[20:])
-    points, skipped = cache.read(path)
+    points, skipped = cache.read(files)
     assert points[-1].step == 12 and skipped == 1
     path.unlink()
     path.write_text(metrics_line(1))  # a new file at the same path: read from its start
-    assert [p.step for p in cache.read(path)[0]] == [1]
-    assert cache.read(tmp_path / "missing.jsonl") == ([], 0)
+    assert [p.step for p in cache.read(files)[0]] == [1]
+    path.unlink()
+    assert cache.read(files) == ([], 0)
+    # Never through a link, never a FIFO or a device (the job's owner may plant either).
+    path.symlink_to("/dev/zero")
+    assert cache.read(files) == ([], 0)
+    path.unlink()
+    os.mkfifo(path)
+    assert cache.read(files) == ([], 0)
 
 
 def test_a_long_run_is_kept_thinned_with_its_highest_peak_and_its_ends(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(metrics_line(i, **({"peak_bytes": 10**9} if i == 7_777 else {})) for i in range(1, 20_001)))
-    points, _ = StepCache().read(path)
+    points, _ = StepCache().read(AttemptFiles(tmp_path))
     assert KEEP // 2 <= len(points) <= KEEP
     assert max(p.peak_bytes for p in points) == 10**9
     assert points[-1].step == 20_000 and points[0].time <= 1000.0 + 8
