@@ -1450,6 +1450,69 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
+
+def _reserved_sentence(c: dict[str, Any]) -> str:
+    return (
+        f"Under the caching allocator's emulation (`--emulate-allocator caching/1024`: caps from each plan's peak *reserved* memory, "
+        f"by the same rules), every swept plan's reserved peak is at least its exact peak in {c['plans'] - len(c['violations'])} of "
+        f"{c['plans']} plans (reserved / exact {_fmt(c['ratio_min'], '.2f')} to {_fmt(c['ratio_max'], '.2f')}, median {_fmt(c['ratio_median'], '.2f')})."
+    )
+
+
+def _allocator_sentence(pairs: list[dict[str, Any]]) -> str:
+    c = allocator_pairs.medians(pairs)
+    return (
+        f"Fragmentation pairs (bench/allocator_pairs.py: scripts whose cache fragments, under caps their bytes fit): "
+        f"{c['landed_at_batch']} of {c['pairs']} kept their micro-batch with the allocator rung (median {_fmt(c['ooms'], 'g')} OOM to land); "
+        f"without it {c['without_kept_batch']} of {c['pairs']} kept it, {c['without_failed']} failed (their scripts offer no other rung), "
+        f"the rest halved the micro-batch. See bench/results/allocator_pairs.md."
+    )
+
+
+def _command_sentence(pairs: list[dict[str, Any]]) -> str:
+    c = command_pairs.medians(pairs)
+    return (
+        f"Command jobs (scripts like diffusers' examples, run unchanged; a cap that drops mid-run or holds from the start): "
+        f"median {c['ooms']} OOM to land over {c['pairs']} pairs, end state passed in {c['end_state_passed']} of {c['pairs']}, "
+        f"median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s."
+    )
+
+
+def _contention_sentence(pairs: list[dict[str, Any]]) -> str:
+    c = contention_pairs.medians(pairs)
+    return (
+        f"A neighbour that leaves mid-run (bench/contention_pairs.py): stepped back up in {c['stepped_up']} of {c['pairs']} pairs; "
+        f"after it left, median {_fmt(c['after_vs_reference'], '.3f')} of the samples/s of the same job that never had a neighbour."
+    )
+
+
+def _multi_gpu_sentence(result: dict[str, Any]) -> str:
+    c = multi_gpu_pairs.medians(result)
+    return (
+        f"Several GPUs (bench/multi_gpu_pairs.py: built-in jobs on 2 and 4 emulated devices): median {c['ooms']} OOM to land over "
+        f"{c['pairs']} pairs, median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s, {c['finished']} of {c['pairs']} finished."
+    )
+
+
+def _graded_sentence(result: dict[str, Any]) -> str:
+    c = graded_pairs.medians(result)
+    return (
+        f"Finer rungs (bench/graded_pairs.py: checkpointing grades, the step in backward, layer offload, jobs a little over their cap): median {c['ooms']} OOM to land over {c['pairs']} pairs, "
+        f"median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s (the grades included), {c['finished']} of {c['pairs']} finished; "
+        f"in {c['graded_wins']} pairs a finer rung's plan is the fastest that fits and beats the best on/off plan."
+    )
+
+
+# The README block's sentences after the table: the summary's key, and what it says of it.
+SECTION_SENTENCES: tuple[tuple[str, Any], ...] = (
+    ("reserved_check", _reserved_sentence),
+    ("allocator_pairs", _allocator_sentence),
+    ("command_pairs", _command_sentence),
+    ("contention_pairs", _contention_sentence),
+    ("multi_gpu_pairs", _multi_gpu_sentence),
+    ("graded_pairs", _graded_sentence),
+)
+
 def update_readme(summary: dict[str, Any]) -> None:
     from readme_block import replace_block
 
@@ -1460,53 +1523,9 @@ def update_readme(summary: dict[str, Any]) -> None:
         "",
         summary_table(summary),
     ]
-    if summary.get("reserved_check"):
-        c = summary["reserved_check"]
-        lines += [
-            "",
-            f"Under the caching allocator's emulation (`--emulate-allocator caching/1024`: caps from each plan's peak *reserved* memory, "
-            f"by the same rules), every swept plan's reserved peak is at least its exact peak in {c['plans'] - len(c['violations'])} of "
-            f"{c['plans']} plans (reserved / exact {_fmt(c['ratio_min'], '.2f')} to {_fmt(c['ratio_max'], '.2f')}, median {_fmt(c['ratio_median'], '.2f')}).",
-        ]
-    if summary.get("allocator_pairs"):
-        c = allocator_pairs.medians(summary["allocator_pairs"])
-        lines += [
-            "",
-            f"Fragmentation pairs (bench/allocator_pairs.py: scripts whose cache fragments, under caps their bytes fit): "
-            f"{c['landed_at_batch']} of {c['pairs']} kept their micro-batch with the allocator rung (median {_fmt(c['ooms'], 'g')} OOM to land); "
-            f"without it {c['without_kept_batch']} of {c['pairs']} kept it, {c['without_failed']} failed (their scripts offer no other rung), "
-            f"the rest halved the micro-batch. See bench/results/allocator_pairs.md.",
-        ]
-    if summary.get("command_pairs"):
-        c = command_pairs.medians(summary["command_pairs"])
-        lines += [
-            "",
-            f"Command jobs (scripts like diffusers' examples, run unchanged; a cap that drops mid-run or holds from the start): "
-            f"median {c['ooms']} OOM to land over {c['pairs']} pairs, end state passed in {c['end_state_passed']} of {c['pairs']}, "
-            f"median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s.",
-        ]
-    if summary.get("contention_pairs"):
-        c = contention_pairs.medians(summary["contention_pairs"])
-        lines += [
-            "",
-            f"A neighbour that leaves mid-run (bench/contention_pairs.py): stepped back up in {c['stepped_up']} of {c['pairs']} pairs; "
-            f"after it left, median {_fmt(c['after_vs_reference'], '.3f')} of the samples/s of the same job that never had a neighbour.",
-        ]
-    if summary.get("multi_gpu_pairs"):
-        c = multi_gpu_pairs.medians(summary["multi_gpu_pairs"])
-        lines += [
-            "",
-            f"Several GPUs (bench/multi_gpu_pairs.py: built-in jobs on 2 and 4 emulated devices): median {c['ooms']} OOM to land over "
-            f"{c['pairs']} pairs, median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s, {c['finished']} of {c['pairs']} finished.",
-        ]
-    if summary.get("graded_pairs"):
-        c = graded_pairs.medians(summary["graded_pairs"])
-        lines += [
-            "",
-            f"Finer rungs (bench/graded_pairs.py: checkpointing grades, the step in backward, layer offload, jobs a little over their cap): median {c['ooms']} OOM to land over {c['pairs']} pairs, "
-            f"median {_fmt(c['fraction_of_oracle'])} of the oracle's samples/s (the grades included), {c['finished']} of {c['pairs']} finished; "
-            f"in {c['graded_wins']} pairs a finer rung's plan is the fastest that fits and beats the best on/off plan.",
-        ]
+    for key, sentence in SECTION_SENTENCES:
+        if summary.get(key):
+            lines += ["", sentence(summary[key])]
     if not replace_block("bench/ladder.py", lines):
         log("README.md has no summary markers in its Benchmarks section: not updated")
         return

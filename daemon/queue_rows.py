@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from oomguard.daemon.cli.output import short_plan
+from oomguard.daemon.owner_numbers import owner_int, owner_number
 from oomguard.daemon.store import TERMINAL_STATES
 from oomguard.daemon.text import shorten
 
@@ -46,18 +47,18 @@ def queue_row(job: JobRow, attempt: AttemptRow | None, attempts: int, heartbeat:
     heartbeat = heartbeat or {}
     spec = job.spec_dict()  # as stored: a job of an older oomguard may not load as a JobSpec
     max_steps = spec["train"]["max_steps"]
-    step = _number(heartbeat.get("step")) or 0
-    speed = _number(heartbeat.get("samples_per_s")) if running else None
+    step = owner_number(heartbeat.get("step")) or 0
+    speed = owner_number(heartbeat.get("samples_per_s")) if running else None
     eta = (max_steps - step) * spec["train"]["batch_size"] / speed if speed and speed > 0 else None
-    held = _int_or_none(heartbeat.get("reserved_bytes"))
+    held = owner_int(heartbeat.get("reserved_bytes"))
     if held is None:
-        held = _int_or_none(heartbeat.get("peak_bytes"))
+        held = owner_int(heartbeat.get("peak_bytes"))
     live = job.state not in TERMINAL_STATES
     return QueueRow(
         job_id=job.id, name=job.name, owner=job.owner or "?", state=job.state,
         gpus=",".join(str(index) for index in attempt.gpus) if running and attempt and attempt.gpus else "",
         plan=plan_shown(job, heartbeat), step=int(step), max_steps=max_steps, samples_per_s=speed or None, eta_seconds=eta,
-        held_bytes=held if live else None, capacity_bytes=_int_or_none(heartbeat.get("capacity_bytes")) if live and held is not None else None,
+        held_bytes=held if live else None, capacity_bytes=owner_int(heartbeat.get("capacity_bytes")) if live and held is not None else None,
         attempts=attempts, note=_note(job, attempt, running),
     )
 
@@ -94,16 +95,3 @@ def plan_shown(job: JobRow, heartbeat: dict[str, Any]) -> str:
     if job.state != "queued" and isinstance(reported, str) and reported:
         return shorten(reported, PLAN_WIDTH)  # the owner's file: any text, kept short (escaped where shown)
     return short_plan(job.plan_dict())
-
-
-def _number(value: Any) -> int | float | None:
-    """A number from a file a job's owner writes (heartbeat.json), else None; one past 2**63
-    too (a 400-digit integer overflowed the ETA's float division and the size's formatting)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) <= 2**63:
-        return value
-    return None
-
-
-def _int_or_none(value: Any) -> int | None:
-    number = _number(value)
-    return int(number) if number is not None else None

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from oomguard.daemon.store_rows import AttemptRow, EventRow, JobRow
+from oomguard.daemon.owner_numbers import owner_float, owner_int
 from oomguard.daemon.report_data import AttemptSeries, OomKind, OomMarker, PlanRate, ReportData, RungMarker, StepPoint
 from oomguard.daemon.text import shorten
 from oomguard.jobs.attempt import HEARTBEAT, METRICS, OUTCOME, AttemptFiles
@@ -186,13 +187,13 @@ def step_point(line: str | bytes) -> StepPoint | None:
             step=int(record["step"]),
             time=float(record["time"]),
             plan=str(record.get("plan") or "?"),
-            peak_bytes=_int_or_none(record.get("peak_bytes")),
-            capacity_bytes=_int_or_none(record.get("capacity_bytes")),
-            samples_per_s=_float_or_none(record.get("samples_per_s")),
-            reserved_bytes=_int_or_none(record.get("reserved_bytes")),
-            loss=_float_or_none(record.get("loss")),
+            peak_bytes=owner_int(record.get("peak_bytes")),
+            capacity_bytes=owner_int(record.get("capacity_bytes")),
+            samples_per_s=owner_float(record.get("samples_per_s")),
+            reserved_bytes=owner_int(record.get("reserved_bytes")),
+            loss=owner_float(record.get("loss")),
         )
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError):  # OverflowError: a 400-digit time
         return None
 
 
@@ -225,29 +226,29 @@ def _oom_markers(attempt: AttemptSeries, outcome: dict[str, Any] | None, recover
     if failed:
         probe_count = max(0, len(failed) - len(in_process))
         for index, measurement in enumerate(failed):
-            step = _int_or_none(measurement.get("step")) or 0
+            step = owner_int(measurement.get("step")) or 0
             kind: OomKind = "probe" if index < probe_count else "in-process"
             time = attempt.started_at if kind == "probe" else _time_of_step(attempt, step)
-            cap = _int_or_none(measurement.get("capacity")) or _cap_at(attempt, time)
-            wanted = _int_or_none(measurement.get("peak_bytes"))
+            cap = owner_int(measurement.get("capacity")) or _cap_at(attempt, time)
+            wanted = owner_int(measurement.get("peak_bytes"))
             plan = _plan_text(measurement.get("plan"))
             label = f"{kind} OOM @{step} [{plan}]" + (f" wanted {format_bytes(wanted)}" if wanted else "")
             markers.append(OomMarker(attempt.number, time, cap, step, kind, label))
     else:
         # No measurements (a runner that did not write them): each in-process rung was an OOM.
         for recovery in in_process:
-            step = _int_or_none(recovery.get("step")) or 0
+            step = owner_int(recovery.get("step")) or 0
             time = _time_of_step(attempt, step)
             markers.append(OomMarker(attempt.number, time, _cap_at(attempt, time), step, "in-process", f"in-process OOM @{step}"))
     if attempt.outcome_kind == "oom":
         step = outcome.get("step")
         step = int(step) if isinstance(step, int) else (attempt.points[-1].step if attempt.points else 0)
-        cap = _cap_at(attempt, attempt.end) or _int_or_none(memory.get("total"))
-        if cap is None and _int_or_none(memory.get("allocated")) is not None:
-            cap = int(memory["allocated"]) + (_int_or_none(memory.get("requested")) or 0)
+        cap = _cap_at(attempt, attempt.end) or owner_int(memory.get("total"))
+        if cap is None and owner_int(memory.get("allocated")) is not None:
+            cap = int(memory["allocated"]) + (owner_int(memory.get("requested")) or 0)
         phase = outcome.get("phase")
         label = f"OOM @{step}" + (f" {phase}" if phase else "")
-        if _int_or_none(memory.get("requested")):
+        if owner_int(memory.get("requested")):
             label += f", +{format_bytes(int(memory['requested']))}"
         markers.append(OomMarker(attempt.number, attempt.end, cap, step, "ended", label))
     return markers
@@ -256,13 +257,13 @@ def _oom_markers(attempt: AttemptSeries, outcome: dict[str, Any] | None, recover
 def _runner_rungs(attempt: AttemptSeries, recoveries: list[dict[str, Any]]) -> list[RungMarker]:
     markers = []
     for recovery in recoveries:
-        step = _int_or_none(recovery.get("step")) or 0
+        step = owner_int(recovery.get("step")) or 0
         probe = str(recovery.get("reason", "")).startswith("probe")
         time = attempt.started_at if probe else _time_of_step(attempt, step)
         bucket = recovery.get("bucket")
         if isinstance(bucket, list) and len(bucket) == 2:
             # One aspect-ratio bucket's slices shrank; the plan stayed (numbers only: the job's file).
-            width, height, micro = _int_or_none(bucket[0]), _int_or_none(bucket[1]), _int_or_none(recovery.get("bucket_micro_batch"))
+            width, height, micro = owner_int(bucket[0]), owner_int(bucket[1]), owner_int(recovery.get("bucket_micro_batch"))
             markers.append(RungMarker(time, attempt.number, "runner", f"bucket {width}x{height}: micro-batch {micro}", _why(recovery)))
             continue
         to = _plan_text(recovery.get("to"))
@@ -340,11 +341,3 @@ def _plan_text(value: Any) -> str:
 
 def _dict_or_none(value: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
-
-
-def _int_or_none(value: Any) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
-
-
-def _float_or_none(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None

@@ -172,12 +172,7 @@ def run_probe(
         safe = planner.choose(origin, open_plans, model, capacity)
         # A plan that could fit and, at the speed it could have, beat the best safe one is worth a
         # step (margins are for plans nobody measured; a shape timed once may be faster larger).
-        # A sharded plan's OOM inside its collectives ends the attempt: one whose shape (its
-        # sharding level and every other knob but the micro-batch) was never seen to fit is
-        # measured only when the margins say it fits (the sharding terms are rough).
-        fitted = {shape_of(m.plan) for m in measurements if m.fits}
-        worth_a_try = [p for p in open_plans if p not in ran and (not rungs.sharded(p) or shape_of(p) in fitted)]
-        hopeful = planner.choose(origin, worth_a_try, model, capacity, optimistic=True, optimistic_speed=True)
+        hopeful = planner.choose(origin, _worth_a_try(open_plans, measurements), model, capacity, optimistic=True, optimistic_speed=True)
         if hopeful is not None and (safe is None or planner.rank(model, origin, hopeful.plan, optimistic=True) < planner.rank(model, origin, safe.plan)):
             next_plan = cheapest_of_its_shape(hopeful.plan, failed)
         elif safe is not None and safe.plan not in ran:
@@ -187,6 +182,16 @@ def run_probe(
         else:
             next_plan = None
     return _out_of_measurements(start, origin, candidates, measurements, capacity, last_oom)
+
+
+def _worth_a_try(open_plans: list[Plan], measurements: list[Measurement]) -> list[Plan]:
+    """The plans not run yet that the probe may measure on the chance that they fit. A sharded
+    plan's OOM inside its collectives ends the attempt: one whose shape (its sharding level and
+    every other knob but the micro-batch) was never seen to fit is measured only when the
+    margins say it fits (the sharding terms are rough)."""
+    ran = {m.plan for m in measurements if m.fits}
+    fitted = {shape_of(m.plan) for m in measurements if m.fits}
+    return [p for p in open_plans if p not in ran and (not rungs.sharded(p) or shape_of(p) in fitted)]
 
 
 def _verdict(measured: Measurement) -> str:

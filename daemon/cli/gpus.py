@@ -9,7 +9,7 @@ import signal
 import time
 
 from oomguard.daemon.cli.output import EXIT_FAILED, EXIT_OK, CliError, print_table
-from oomguard.daemon.cli.state import open_store
+from oomguard.daemon.cli.state import jobs_on_gpus, open_store
 from oomguard.daemon.paths import StateDir
 from oomguard.daemon.text import escape
 from oomguard.daemon.wakeup import Wakeup
@@ -25,12 +25,7 @@ def cmd_gpus(args: argparse.Namespace) -> int:
     samples = store.latest_gpu_samples()
     if not samples:
         raise CliError("no GPU samples yet: the daemon records them when it runs with GPUs (NVML) or --emulate-gpus", EXIT_FAILED)
-    jobs_on: dict[int, list[str]] = {}
-    for attempt in store.running_attempts():
-        if attempt.gpus:
-            job = store.job(attempt.job_id)
-            for index in attempt.gpus:
-                jobs_on.setdefault(index, []).append(f"{job.id} {job.name} ({job.owner})")
+    jobs_on = jobs_on_gpus(store, store.running_attempts())
     table = Table(title=f"GPUs (sampled {time.strftime('%H:%M:%S', time.localtime(max(s.at for s in samples)))})")
     for column in ("GPU", "name", "used", "free", "total", "processes", "oomguard jobs"):
         table.add_column(column, overflow="fold")

@@ -169,6 +169,17 @@ def _as_named(attempt: AttemptRow) -> AttemptFiles:
     return AttemptFiles(Path(attempt.directory))
 
 
+def jobs_on_gpus(store: Store, attempts: list[AttemptRow]) -> dict[int, list[str]]:
+    """GPU index -> "3 alice-a (alice)" for each job whose running attempt (of ``attempts``) is
+    on it: what `oomguard gpus` and the dashboard's GPU page list."""
+    jobs_on: dict[int, list[str]] = {}
+    for attempt in attempts:
+        job = store.job(attempt.job_id)
+        for index in attempt.gpus or ():
+            jobs_on.setdefault(index, []).append(f"{job.id} {job.name} ({job.owner})")
+    return jobs_on
+
+
 def job_record(store: Store, job: JobRow, files_of: FilesOf | None = None) -> dict[str, Any]:
     """A job with its attempts and events, as `show --json` and `run --json` print it: the rows
     as stored, their JSON columns as objects."""

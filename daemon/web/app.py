@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -58,105 +59,125 @@ class ServeSettings:
 
 
 def make_app(settings: ServeSettings) -> Starlette:
-    templates = Jinja2Templates(directory=str(HERE / "templates"))
-    templates.env.filters.update(inert=escape, size=_size, duration=_duration, clock=_clock, plan=_plan)
-    templates.env.globals.update(refresh_seconds=REFRESH_SECONDS)
-    state = StateDir(settings.state_dir)
-    steps = StepCache()  # what the job pages read of each attempt's metrics, kept between requests
+    dashboard = Dashboard(settings)
+    routes = [
+        Route("/", dashboard.queue),
+        Route("/jobs/{job_id:int}", dashboard.job),
+        Route("/gpus", dashboard.gpus),
+        Route("/token", dashboard.token),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=LOCAL_HOSTS)])
 
-    def render(request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
-        # A live part asked for again: only the page's fragment (templates/_<page>.html).
-        if request.query_params.get("fragment") == "1" and (HERE / "templates" / f"_{name}").exists():
-            name = f"_{name}"
-        response = templates.TemplateResponse(request, name, {**context, "now": time.time(), "state_dir": str(settings.state_dir)}, status_code=status)
-        response.headers.update(SECURITY_HEADERS)
-        return response
 
-    def viewer_of(request: Request) -> Viewer | None:
-        uid = request.scope.get("state", {}).get(PEER_UID)
-        if uid is None:
-            uid = session_uid(request)
-        return viewer_for(uid, settings.server_uid, settings.admin_group) if uid is not None else None
+class Dashboard:
+    """The routes' handlers (served from a pool of threads: what they share is read-only, but
+    for the step cache, which locks)."""
 
-    def session_uid(request: Request) -> int | None:
-        session = request.cookies.get(COOKIE)
-        return settings.tokens.uid_of_session(session, time.time()) if session else None
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.templates = Jinja2Templates(directory=str(HERE / "templates"))
+        self.templates.env.filters.update(inert=escape, size=_size, duration=_duration, clock=_clock, plan=_plan)
+        self.templates.env.globals.update(refresh_seconds=REFRESH_SECONDS)
+        self.database = StateDir(settings.state_dir).database
+        self.steps = StepCache()  # what the job pages read of each attempt's metrics, kept between requests
 
-    def page(request: Request, build: Any) -> Response:
-        """A page for whoever is asking: a link's token becomes a cookie (and leaves the address
-        bar); no one known, or no store, gets a page that says what to do."""
-        token = request.query_params.get("token")
-        if token is not None:
-            uid = settings.tokens.uid_of(token)
-            if uid is None:
-                return render(request, "denied.html", {"why": "bad_token"}, 401)
-            signed_in = session_uid(request)
-            if signed_in is not None and signed_in != uid:
-                # Someone else's link (another page may have sent this browser to it) does not
-                # quietly make you them.
-                return render(request, "denied.html", {"why": "other_user", "viewer": viewer_for(signed_in, settings.server_uid, settings.admin_group)}, 409)
-            response = RedirectResponse(request.url.remove_query_params("token"), status_code=303)
-            response.set_cookie(
-                COOKIE, settings.tokens.session_for(uid, time.time()), max_age=SESSION_SECONDS, httponly=True, samesite="strict", path="/",
-            )
-            response.headers.update(SECURITY_HEADERS)
-            return response
-        viewer = viewer_of(request)
-        if viewer is None:
-            return render(request, "denied.html", {"why": "unknown"}, 401)
-        try:
-            store = Store(state.database, readonly=True)
-        except FileNotFoundError as error:
-            return render(request, "denied.html", {"why": "no_store", "error": str(error), "viewer": viewer}, 503)
-        try:
-            return build(viewer, store)
-        finally:
-            store.close()
+    # -- the routes ------------------------------------------------------------------------
 
-    def queue(request: Request) -> Response:
+    def queue(self, request: Request) -> Response:
         number = _page_number(request.query_params.get("page"))
         if number is False:
-            return render(request, "denied.html", {"why": "bad_page"}, 400)
+            return self.render(request, "denied.html", {"why": "bad_page"}, 400)
+        return self.page(request, lambda viewer, store: self.render(
+            request, "queue.html", {"viewer": viewer, "queue": views.queue_page(store, viewer, number)},
+        ))
 
-        def build(viewer: Viewer, store: Store) -> Response:
-            return render(request, "queue.html", {"viewer": viewer, "queue": views.queue_page(store, viewer, number)})
-
-        return page(request, build)
-
-    def job(request: Request) -> Response:
+    def job(self, request: Request) -> Response:
         def build(viewer: Viewer, store: Store) -> Response:
             key = request.path_params["job_id"]
             try:
                 row = store.job(key)
             except (JobNotFound, OverflowError):  # an id past SQLite's integers: no such job either
-                return render(request, "denied.html", {"why": "no_job", "job": key, "viewer": viewer}, 404)
+                return self.render(request, "denied.html", {"why": "no_job", "job": key, "viewer": viewer}, 404)
             if not viewer.may_read(row):
-                return render(request, "denied.html", {"why": "not_yours", "job": row.id, "owner": row.owner, "viewer": viewer}, 403)
-            return render(request, "job.html", {"viewer": viewer, "job": views.job_page(store, row, steps.read)})
+                return self.render(request, "denied.html", {"why": "not_yours", "job": row.id, "owner": row.owner, "viewer": viewer}, 403)
+            return self.render(request, "job.html", {"viewer": viewer, "job": views.job_page(store, row, self.steps.read)})
 
-        return page(request, build)
+        return self.page(request, build)
 
-    def gpus(request: Request) -> Response:
-        def build(viewer: Viewer, store: Store) -> Response:
-            return render(request, "gpus.html", {"viewer": viewer, "gpus": views.gpu_page(store)})
+    def gpus(self, request: Request) -> Response:
+        return self.page(request, lambda viewer, store: self.render(request, "gpus.html", {"viewer": viewer, "gpus": views.gpu_page(store)}))
 
-        return page(request, build)
-
-    def token(request: Request) -> Response:
+    def token(self, request: Request) -> Response:
         """A user's own link, over the Unix socket only: there the kernel says who asks."""
-        uid = request.scope.get("state", {}).get(PEER_UID)
+        uid = _peer_uid(request)
         if uid is None:
             return JSONResponse({"error": "ask for a link over the dashboard's Unix socket: run `oomguard web-url` on the box"}, status_code=403)
-        return JSONResponse({"uid": uid, "url": f"{settings.base_url}?token={settings.tokens.token_for(uid)}"})
+        return JSONResponse({"uid": uid, "url": f"{self.settings.base_url}?token={self.settings.tokens.token_for(uid)}"})
 
-    routes = [
-        Route("/", queue),
-        Route("/jobs/{job_id:int}", job),
-        Route("/gpus", gpus),
-        Route("/token", token),
-        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
-    ]
-    return Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=LOCAL_HOSTS)])
+    # -- what every page shares --------------------------------------------------------------
+
+    def page(self, request: Request, build: Callable[[Viewer, Store], Response]) -> Response:
+        """A page for whoever is asking; a link's token becomes a session (and leaves the address
+        bar); no one known, or no store, gets a page that says what to do."""
+        token = request.query_params.get("token")
+        if token is not None:
+            return self.sign_in(request, token)
+        viewer = self.viewer_of(request)
+        if viewer is None:
+            return self.render(request, "denied.html", {"why": "unknown"}, 401)
+        try:
+            store = Store(self.database, readonly=True)
+        except FileNotFoundError as error:
+            return self.render(request, "denied.html", {"why": "no_store", "error": str(error), "viewer": viewer}, 503)
+        try:
+            return build(viewer, store)
+        finally:
+            store.close()
+
+    def sign_in(self, request: Request, token: str) -> Response:
+        uid = self.settings.tokens.uid_of(token)
+        if uid is None:
+            return self.render(request, "denied.html", {"why": "bad_token"}, 401)
+        signed_in = self.session_uid(request)
+        if signed_in is not None and signed_in != uid:
+            # Someone else's link (another page may have sent this browser to it) does not
+            # quietly make you them.
+            return self.render(request, "denied.html", {"why": "other_user", "viewer": self.viewer(signed_in)}, 409)
+        response = RedirectResponse(request.url.remove_query_params("token"), status_code=303)
+        response.set_cookie(
+            COOKIE, self.settings.tokens.session_for(uid, time.time()), max_age=SESSION_SECONDS, httponly=True, samesite="strict", path="/",
+        )
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    def viewer_of(self, request: Request) -> Viewer | None:
+        uid = _peer_uid(request)
+        if uid is None:
+            uid = self.session_uid(request)
+        return self.viewer(uid) if uid is not None else None
+
+    def viewer(self, uid: int) -> Viewer:
+        return viewer_for(uid, self.settings.server_uid, self.settings.admin_group)
+
+    def session_uid(self, request: Request) -> int | None:
+        session = request.cookies.get(COOKIE)
+        return self.settings.tokens.uid_of_session(session, time.time()) if session else None
+
+    def render(self, request: Request, name: str, context: dict[str, Any], status: int = 200) -> Response:
+        # A live part asked for again: only the page's fragment (templates/_<page>.html).
+        if request.query_params.get("fragment") == "1" and (HERE / "templates" / f"_{name}").exists():
+            name = f"_{name}"
+        response = self.templates.TemplateResponse(
+            request, name, {**context, "now": time.time(), "state_dir": str(self.settings.state_dir)}, status_code=status,
+        )
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+
+def _peer_uid(request: Request) -> int | None:
+    """The uid the kernel gave for a Unix socket connection (peer.py); None over TCP."""
+    return request.scope.get("state", {}).get(PEER_UID)
 
 
 def _page_number(text: str | None) -> int | None | bool:

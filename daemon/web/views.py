@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from oomguard.daemon.cli.state import FilesOf, heartbeat_of, job_record
+from oomguard.daemon.cli.state import FilesOf, heartbeat_of, job_record, jobs_on_gpus
 from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN
 from oomguard.daemon.queue_rows import QueueRow, queue_row
 from oomguard.daemon.report import MetricsReader, load_report
@@ -88,13 +88,8 @@ def queue_page(store: Store, viewer: Viewer, page: int | None) -> QueuePage:
 
 
 def gpu_page(store: Store) -> tuple[GpuEntry, ...]:
-    jobs_on: dict[int, list[str]] = {}
     attempts = store.running_attempts()
-    for attempt in attempts:
-        job = store.job(attempt.job_id)
-        for index in attempt.gpus or ():
-            jobs_on.setdefault(index, []).append(f"{job.id} {job.name} ({job.owner})")
-    whose = _job_processes(store, attempts)
+    jobs_on, whose = jobs_on_gpus(store, attempts), _job_processes(store, attempts)
     return tuple(GpuEntry(sample, tuple(jobs_on.get(sample.gpu, ())), whose) for sample in store.latest_gpu_samples())
 
 
@@ -102,16 +97,13 @@ def _job_processes(store: Store, attempts: list[AttemptRow]) -> dict[int, str]:
     """pid -> the job whose running attempt it belongs to: below the attempt's shim, or carrying
     its mark as its owner (anyone may put the mark in their own process; that does not make it
     the job's)."""
-    marked = processes.marks()
     found: dict[int, str] = {}
     for attempt in attempts:
         job = store.job(attempt.job_id)
-        label = f"job {job.id} {job.name}"
-        owner = owner_uid(job)
-        pids = {pid for pid, mark in marked.items() if mark == attempt.directory and processes.real_uid(pid) == owner}
+        pids = processes.marked_with(attempt.directory, owner_uid(job))
         if attempt.pid is not None:
             pids |= processes.descendants(attempt.pid)
-        found.update(dict.fromkeys(pids, label))
+        found.update(dict.fromkeys(pids, f"job {job.id} {job.name}"))
     return found
 
 

@@ -2,6 +2,9 @@
 [notify], each a frozen dataclass with the parser of its table.
 
 A command job uses only part of [train] (keys.py SCRIPT_OWNED_TRAIN_KEYS are its script's).
+Just past 400 lines: each table's parser stands beside its dataclass (its defaults, checks and
+round trip through to_dict), and [train]'s sub-parts already live apart (trackers.py, _ema,
+_samples).
 """
 
 from __future__ import annotations
@@ -236,7 +239,6 @@ def parse_train(s: Section) -> TrainSpec:
     snr_gamma = s.number("snr_gamma", gt=0.0, default=None)
     ema, ema_decay = _ema(s)
     sample_every_steps, sample_prompts, sample_inference_steps = _samples(s)
-    log_with = parse_log_with(s)
     if micro_batch is not None and micro_batch > batch_size:
         raise s.fail(
             "micro_batch", f"expected an integer in 1..{batch_size} (at most train.batch_size), found {micro_batch}"
@@ -263,7 +265,7 @@ def parse_train(s: Section) -> TrainSpec:
         sample_every_steps=sample_every_steps,
         sample_prompts=sample_prompts,
         sample_inference_steps=sample_inference_steps,
-        log_with=log_with,
+        log_with=parse_log_with(s),
     )
 
 

@@ -115,3 +115,20 @@ def test_a_long_run_is_kept_thinned_with_its_highest_peak_and_its_ends(tmp_path:
     assert max(p.peak_bytes for p in points) == 10**9
     assert points[-1].step == 20_000 and points[0].time <= 1000.0 + 8
     assert all(p.loss == pytest.approx(1.0) for p in points)
+
+
+def test_numbers_past_2_63_in_an_owners_files_are_no_numbers(tmp_path: Path) -> None:
+    """A 400-digit integer in metrics.jsonl or heartbeat.json overflowed float() and the size's
+    formatting: `oomguard report`, status and the dashboard's pages failed."""
+    from oomguard.daemon.queue_rows import queue_row
+    from oomguard.jobs.spec import load_job_file
+    from tests.e2e.conftest import tiny_job
+    from tests.fakes import job_row
+
+    huge = 10**400
+    (tmp_path / "metrics.jsonl").write_text(metrics_line(1, peak_bytes=huge, loss=huge) + json.dumps({"step": 2, "time": huge}) + "\n")
+    points, skipped = read_metrics_file(AttemptFiles(tmp_path))
+    assert [(p.step, p.peak_bytes, p.loss) for p in points] == [(1, None, None)] and skipped == 1
+    spec = json.dumps(load_job_file(tiny_job(tmp_path)).to_dict())
+    row = queue_row(job_row(state="running", spec=spec), None, 1, {"step": huge, "samples_per_s": 1, "reserved_bytes": huge, "peak_bytes": 5})
+    assert (row.step, row.held_bytes, row.eta_seconds is not None) == (0, 5, True)
