@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from oomguard.daemon.cli.output import short_plan
 from oomguard.daemon.owner_numbers import owner_int, owner_number
-from oomguard.daemon.store import TERMINAL_STATES
+from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_PAGE_SIZE, STATUS_QUEUED_SHOWN
+from oomguard.daemon.store import TERMINAL_STATES, Store
 from oomguard.daemon.text import shorten
 
 if TYPE_CHECKING:
@@ -40,6 +41,18 @@ class QueueRow:
     capacity_bytes: int | None
     attempts: int
     note: str
+
+
+def jobs_listed(store: Store, page: int | None) -> list[JobRow]:
+    """The jobs a queue lists: page ``page`` (from 1) of every job in id order, STATUS_PAGE_SIZE
+    to a page; None: at a glance (every running job, the head of the queue, the last ended)."""
+    if page is None:
+        return store.jobs_at_a_glance(queued=STATUS_QUEUED_SHOWN, ended=STATUS_ENDED_SHOWN)
+    return store.jobs_page(offset=(page - 1) * STATUS_PAGE_SIZE, limit=STATUS_PAGE_SIZE)
+
+
+def page_count(total: int) -> int:
+    return max(1, -(-total // STATUS_PAGE_SIZE))
 
 
 def queue_row(job: JobRow, attempt: AttemptRow | None, attempts: int, heartbeat: dict[str, Any] | None) -> QueueRow:

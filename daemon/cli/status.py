@@ -12,7 +12,7 @@ import argparse
 from oomguard.daemon.cli.output import EXIT_OK, CliError, print_table
 from oomguard.daemon.cli.state import heartbeat_of, open_store
 from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_PAGE_SIZE, STATUS_QUEUED_SHOWN
-from oomguard.daemon.queue_rows import QueueRow, queue_row
+from oomguard.daemon.queue_rows import QueueRow, jobs_listed, page_count, queue_row
 from oomguard.daemon.text import escape
 from oomguard.strategies.units import format_bytes, format_duration_short
 
@@ -25,12 +25,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     _, store = open_store(args.state_dir, snapshot=True)
     counts = store.job_counts()
     total = sum(counts.values())
-    if args.all:
-        rows = store.jobs()
-    elif args.page is not None:
-        rows = store.jobs_page(offset=(args.page - 1) * STATUS_PAGE_SIZE, limit=STATUS_PAGE_SIZE)
-    else:
-        rows = store.jobs_at_a_glance(queued=STATUS_QUEUED_SHOWN, ended=STATUS_ENDED_SHOWN)
+    rows = store.jobs() if args.all else jobs_listed(store, args.page)
     newest = store.newest_attempts([job.id for job in rows])
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no jobs"
     table = Table(title=f"oomguard jobs ({args.state_dir}): {summary}")
@@ -58,7 +53,7 @@ def _cells(row: QueueRow) -> tuple[str, ...]:
 def _caption(shown: int, total: int, page: int | None) -> str | None:
     """What the table leaves out, and how to see it."""
     if page is not None:
-        pages = max(1, -(-total // STATUS_PAGE_SIZE))
+        pages = page_count(total)
         first = (page - 1) * STATUS_PAGE_SIZE
         listed = f"jobs {first + 1}-{first + shown} of {total} by id" if shown else f"no jobs on this page ({total} in all)"
         more = f"; `oomguard status --page {page + 1}` lists the next" if page < pages else ""

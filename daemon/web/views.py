@@ -10,8 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from oomguard.daemon.cli.state import FilesOf, heartbeat_of, job_record, jobs_on_gpus
-from oomguard.daemon.cli.status_limits import STATUS_ENDED_SHOWN, STATUS_QUEUED_SHOWN
-from oomguard.daemon.queue_rows import QueueRow, queue_row
+from oomguard.daemon.queue_rows import QueueRow, jobs_listed, page_count, queue_row
 from oomguard.daemon.report import MetricsReader, load_report
 from oomguard.daemon.report_data import ReportData
 from oomguard.daemon.store import Store
@@ -22,8 +21,6 @@ from oomguard.daemon.web.svg_chart import Line, Mark, chart_svg
 from oomguard.daemon.web.viewer import Viewer
 from oomguard.strategies.errors import ReportError
 from oomguard.strategies.units import format_bytes
-
-PAGE_SIZE = 50
 
 
 @dataclass(frozen=True)
@@ -69,11 +66,8 @@ class JobPage:
 def queue_page(store: Store, viewer: Viewer, page: int | None) -> QueuePage:
     counts = store.job_counts()
     total = sum(counts.values())
-    pages = max(1, -(-total // PAGE_SIZE))
-    if page is None:
-        jobs = store.jobs_at_a_glance(queued=STATUS_QUEUED_SHOWN, ended=STATUS_ENDED_SHOWN)
-    else:
-        jobs = store.jobs_page(offset=(page - 1) * PAGE_SIZE, limit=PAGE_SIZE)
+    pages = page_count(total)
+    jobs = jobs_listed(store, page)
     newest = store.newest_attempts([job.id for job in jobs])
     entries = []
     for job in jobs:
